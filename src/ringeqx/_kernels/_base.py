@@ -1,0 +1,77 @@
+"""The contract every per-device attention kernel meets."""
+
+import abc
+
+import equinox as eqx
+from jaxtyping import Array, Float
+
+from .._masks import AbstractMask
+from .._score_mods import AbstractScoreMod
+from .._tokens import TokenInfo
+
+
+class AbstractAttentionKernel(eqx.Module):
+    """Attention of one block of queries against one block of keys, on one device.
+
+    The ring calls `forward` once per step and merges the partial results by their
+    log-sum-exp; its backward calls `backward` once per step with the *global* lse, so the
+    steps are independent (Flash Attention 2). Arrays are heads-major:
+
+    - `q`: `[batch, heads, q_len, head_dim]`; `k`, `v`: `[batch, kv_heads, kv_len,
+      head_dim]`; query head `h` reads key/value head `h // (heads // kv_heads)`, with no
+      copies of K/V heads.
+    - `q_info`, `kv_info`: token records `[batch, q_len]` and `[batch, kv_len]`; pairs with
+      an invalid (padding) token never attend.
+
+    Block sizes and `interpret` are static fields of concrete kernels.
+    """
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        mask: AbstractMask,
+        score_mod: AbstractScoreMod | None,
+        scale: float,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
+    ]:
+        """Softmax attention of `q` over this block of keys.
+
+        **Returns:** `(out, lse)`, both float32: `out` normalised over this block only and
+        `lse` the natural-log sum of exponentiated logits. Rows that see no key give
+        `out = 0` and `lse = -inf`.
+        """
+
+    @abc.abstractmethod
+    def backward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        lse: Float[Array, "batch heads q_len"],
+        delta: Float[Array, "batch heads q_len"],
+        d_out: Float[Array, "batch heads q_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        mask: AbstractMask,
+        score_mod: AbstractScoreMod | None,
+        scale: float,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+    ]:
+        """Gradients of this block's share of the global attention.
+
+        **Arguments:** `lse` is the *global* log-sum-exp of each query row (over all keys of
+        the whole ring), and `delta = rowsum(d_out * out) - d_lse` with the global `out`
+        (computed once by the ring; `d_lse` is the cotangent of the lse when a caller uses
+        it, for example attention sinks).
+
+        **Returns:** `(dq, dk, dv)` in float32; `dq` is this block's contribution only.
+        """

@@ -1,0 +1,63 @@
+"""Dense attention with ringeqx semantics, for tests and users."""
+
+import math
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._layout import Layout
+from ._masks import AbstractMask, Full, mask_needs_segments
+from ._score_mods import AbstractScoreMod
+from ._tokens import TokenInfo
+
+
+def reference_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    *,
+    mask: AbstractMask | None = None,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
+    layout: Layout | None = None,
+    scale: float | None = None,
+    score_mod: AbstractScoreMod | None = None,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    """The dense answer of [`ringeqx.ring_attention`][] on one device, in float32.
+
+    Same arguments and semantics (masks, segment ids, layout order, score modifiers,
+    zero rows where nothing is attended); it materialises the full score matrix, so use
+    it for small problems.
+    """
+    mask = Full() if mask is None else mask
+    seq, heads, head_dim = q.shape[-3:]
+    kv_heads = k.shape[-2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if layout is None:
+        if mask_needs_segments(mask) and segment_ids is None:
+            raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
+        pos = jnp.arange(seq, dtype=jnp.int32)
+        seg = pos * 0 - 1 if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+        info = TokenInfo(pos, seg, pos * 0 - 1, pos >= 0)
+        info = TokenInfo(*jnp.broadcast_arrays(info.positions, info.segments, info.spans, info.valid))
+    else:
+        info = layout.token_info()
+    # info: [*batch or (), seq]
+    # Queries [..., 1 (heads), seq, 1] against keys [..., 1 (heads), 1, seq].
+    qi = info.expand(-1).expand(-3)
+    ki = info.expand(-2).expand(-3)
+    ok = mask.allows(qi, ki) & qi.valid & ki.valid
+    g = heads // kv_heads
+    qf = q.astype(jnp.float32)
+    kf = jnp.repeat(k.astype(jnp.float32), g, axis=-2)
+    vf = jnp.repeat(v.astype(jnp.float32), g, axis=-2)
+    s = jnp.einsum("...qhd,...khd->...hqk", qf, kf) * scale
+    if score_mod is not None:
+        s = score_mod(s, qi, ki)
+    s = jnp.where(ok, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l > 0, l, 1.0)
+    out = jnp.einsum("...hqk,...khd->...qhd", p, vf)
+    return out.astype(q.dtype)

@@ -1,0 +1,375 @@
+"""Exact ring attention: the schedule, its custom VJP, and the public entry point."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int
+
+from ._comm import RingConfig, shift, shift_compressed
+from ._kernels._base import AbstractAttentionKernel
+from ._kernels._select import KernelName, select_kernel
+from ._layout import Layout
+from ._masks import AbstractMask, Full, mask_needs_segments
+from ._score_mods import AbstractScoreMod
+from ._strategies._uniform import Uniform
+from ._tokens import TokenInfo
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Combine two softmax-normalised partial results by their log-sum-exp, in float32."""
+    lse_out = jnp.logaddexp(lse, lse_new)
+    safe = jnp.where(lse_out == -jnp.inf, 0.0, lse_out)
+    w = jnp.exp(lse - safe)[..., None]
+    w_new = jnp.exp(lse_new - safe)[..., None]
+    return o * w + o_new * w_new, lse_out
+
+
+def _may_attend(mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
+    qs, ks = q_info.summary(), kv_info.summary()
+    return qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+
+
+class _Static:
+    """Hashable, static settings of one ring call (the custom VJP's non-diff argument)."""
+
+    def __init__(self, kernel, scale, axis_name, num_shards, num_steps, config):
+        self.kernel = kernel
+        self.scale = scale
+        self.axis_name = axis_name
+        self.num_shards = num_shards
+        self.num_steps = num_steps
+        self.config = config
+        self._key = (kernel, scale, axis_name, num_shards, num_steps, config)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self._key == other._key
+
+
+def _ring_forward(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
+    """Per-device forward: `num_steps` ring steps, K/V (and their records) moving +1."""
+    kernel = st.kernel
+
+    def compute(kv):
+        k, v, kv_info = kv
+
+        def run(_):
+            return kernel.forward(q, k, v, q_info, kv_info, mask, score_mod, st.scale)
+
+        def skip(_):
+            zero = jnp.zeros_like(q, jnp.float32)
+            return zero, zero[..., 0] - jnp.inf
+
+        return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
+
+    def step(carry, _):
+        kv, o, lse = carry
+        # Send first so that the transfer can overlap the compute of this step.
+        nxt = shift_compressed(kv, st.axis_name, st.num_shards, st.config)
+        o, lse = _merge(o, lse, *compute(kv))
+        return (nxt, o, lse), None
+
+    zero = jnp.zeros_like(q, jnp.float32)
+    init = ((k, v, kv_info), zero, zero[..., 0] - jnp.inf)
+    (kv, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
+    return _merge(o, lse, *compute(kv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
+    return _ring_forward(st, q, k, v, q_info, kv_info, mask, score_mod)
+
+
+def _ring_fwd(st, q, k, v, q_info, kv_info, mask, score_mod):
+    out, lse = _ring_forward(st, q, k, v, q_info, kv_info, mask, score_mod)
+    return (out, lse), (q, k, v, q_info, kv_info, mask, score_mod, out, lse)
+
+
+def _ring_bwd(st: _Static, res, cts):
+    q, k, v, q_info, kv_info, mask, score_mod, out, lse = res
+    d_out, d_lse = cts
+    kernel = st.kernel
+    d_out = d_out.astype(jnp.float32)
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse
+    d_out = d_out.astype(q.dtype)
+
+    def compute(k, v, kv_info):
+        def run(_):
+            return kernel.backward(
+                q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, st.scale
+            )
+
+        def skip(_):
+            return (
+                jnp.zeros_like(q, jnp.float32),
+                jnp.zeros_like(k, jnp.float32),
+                jnp.zeros_like(v, jnp.float32),
+            )
+
+        return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
+
+    def step(carry, _):
+        (k, v, kv_info), (dk, dv), dq = carry
+        dq_s, dk_s, dv_s = compute(k, v, kv_info)
+        # dK/dV travel with their K/V block, in float32, and reach home after the ring.
+        kv = shift_compressed((k, v, kv_info), st.axis_name, st.num_shards, st.config)
+        acc = shift((dk + dk_s, dv + dv_s), st.axis_name, st.num_shards, 1)
+        return (kv, acc, dq + dq_s), None
+
+    zero_kv = jnp.zeros_like(k, jnp.float32)
+    init = ((k, v, kv_info), (zero_kv, zero_kv), jnp.zeros_like(q, jnp.float32))
+    ((k_last, v_last, info_last), (dk, dv), dq), _ = jax.lax.scan(
+        step, init, None, length=st.num_steps - 1
+    )
+    dq_s, dk_s, dv_s = compute(k_last, v_last, info_last)
+    # After num_steps - 1 hops the accumulators sit num_steps - 1 devices downstream.
+    dk, dv = shift(
+        (dk + dk_s, dv + dv_s), st.axis_name, st.num_shards, 1 - st.num_steps
+    )
+    return (
+        (dq + dq_s).astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def num_ring_steps(mask: AbstractMask, layout: Layout) -> int:
+    """How many ring steps can matter: all of them, unless the mask bounds the distance
+    between attending positions and the layout is contiguous."""
+    bound = mask.max_distance()
+    if bound is None or not layout.contiguous:
+        return layout.num_shards
+    return min(layout.num_shards, math.ceil(bound / layout.capacity) + 1)
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 3:
+            raise ValueError(
+                f"`{name}` must have shape [*batch, seq, heads, head_dim]; got shape {x.shape}."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"`{name}` must be a floating array; got dtype {x.dtype}.")
+    if k.shape != v.shape:
+        raise ValueError(f"`k` and `v` must have one shape; got {k.shape} and {v.shape}.")
+    if q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(
+            f"q and k/v must share batch dimensions; got q batch {q.shape[:-3]} and "
+            f"k batch {k.shape[:-3]}."
+        )
+    if q.shape[-3] != k.shape[-3]:
+        raise ValueError(
+            f"q and k/v must share the sequence length; got q seq {q.shape[-3]} and "
+            f"k seq {k.shape[-3]}."
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k/v must share head_dim; got q head_dim {q.shape[-1]} and k/v head_dim "
+            f"{k.shape[-1]}."
+        )
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"q heads must be a multiple of kv_heads; got heads={heads}, kv_heads={kv_heads}."
+        )
+
+
+def _resolve_mesh(mesh, axis_name: str):
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            if len(jax.devices()) != 1:
+                raise ValueError(
+                    f"ring_attention needs a mesh with axis {axis_name!r}: pass `mesh=` or "
+                    f"call it under `with jax.set_mesh(mesh):` (there are "
+                    f"{len(jax.devices())} devices, so no default ring is assumed)."
+                )
+            mesh = jax.make_mesh((1,), (axis_name,), axis_types=(AxisType.Auto,))
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"`axis_name` {axis_name!r} is not an axis of the mesh; the mesh has axes "
+            f"{tuple(mesh.axis_names)}."
+        )
+    return mesh
+
+
+def _constrain(x, mesh, spec: PartitionSpec):
+    """Put `x` on `spec` where the mesh axes are Explicit (Auto axes need nothing)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = PartitionSpec(
+        *(a if a is not None and types[a] == AxisType.Explicit else None for a in spec)
+    )
+    if all(a is None for a in explicit):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, explicit))
+
+
+def _broadcast_info(info: TokenInfo, batch: int) -> TokenInfo:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x.reshape(-1, x.shape[-1]), (batch, x.shape[-1])), info)
+
+
+def ring_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    *,
+    mask: AbstractMask | None = None,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
+    layout: Layout | None = None,
+    mesh=None,
+    axis_name: str = "sequence",
+    scale: float | None = None,
+    kernel: KernelName | AbstractAttentionKernel = "auto",
+    config: RingConfig | None = None,
+    score_mod: AbstractScoreMod | None = None,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    r"""Exact softmax attention with the sequence sharded over a ring of devices.
+
+    $$\operatorname{out}_i = \sum_j \operatorname{softmax}_j\big(\text{scale}\; q_i \cdot k_j
+    + \text{mask}_{ij}\big)\, v_j$$
+
+    Each device keeps its block of queries; the key/value blocks travel round the ring
+    (`lax.ppermute` inside `jax.shard_map`), one hop per step, while each device merges
+    its partial results by log-sum-exp in float32. Steps whose blocks the mask rules out
+    entirely are skipped. The backward pass (a custom VJP) rings K/V again and sends the
+    float32 dK/dV accumulators round with them, back to their owners.
+
+    **Arguments:**
+
+    - `q`: queries `[*batch, seq, heads, head_dim]` (the `jax.nn.dot_product_attention`
+        BTNH convention).
+    - `k`, `v`: keys and values `[*batch, seq, kv_heads, head_dim]`; `heads` must be a
+        multiple of `kv_heads` (GQA/MQA, without copying K/V heads).
+    - `mask`: an [`ringeqx.AbstractMask`][] (default: `Full()`).
+    - `segment_ids`: `int[*batch, seq]` document ids, for `Document()` masks; without a
+        layout only (a layout carries its own).
+    - `layout`: a [`ringeqx.Layout`][]; then q/k/v are in layout order (see
+        `Layout.shard`) and the result is too. Without one, contiguous shards are used
+        and the input and output are in the original order.
+    - `mesh`: the device mesh (default: the one set by `jax.set_mesh`; with a single
+        device and no mesh, a one-device ring). Batch axes are sharded over its axis
+        `"batch"` when it has one.
+    - `axis_name`: the mesh axis that forms the ring.
+    - `scale`: logit scale (default `1 / sqrt(head_dim)`).
+    - `kernel`: the per-device kernel: `"auto"`, a name, or a kernel object.
+    - `config`: a [`ringeqx.RingConfig`][].
+    - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits.
+
+    **Returns:** an array shaped and typed like `q`. Rows that attend to nothing are zero.
+
+    **Example:**
+
+    ```python
+    mesh = jax.make_mesh((4,), ("sequence",))
+    with jax.set_mesh(mesh):
+        out = ringeqx.ring_attention(q, k, v, mask=ringeqx.Causal())
+    ```
+
+    ??? cite "Ring Attention"
+
+        ```bibtex
+        @article{liu2023ring,
+          title={Ring Attention with Blockwise Transformers for Near-Infinite Context},
+          author={Liu, Hao and Zaharia, Matei and Abbeel, Pieter},
+          journal={arXiv:2310.01889},
+          year={2023}
+        }
+        ```
+    """
+    _check_qkv(q, k, v)
+    mask = Full() if mask is None else mask
+    config = RingConfig() if config is None else config
+    kernel_obj = select_kernel(kernel)
+    mesh = _resolve_mesh(mesh, axis_name)
+    num_shards = mesh.shape[axis_name]
+    batch_shape, seq = q.shape[:-3], q.shape[-3]
+    batch = math.prod(batch_shape)
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    q3, k3, v3 = (x.reshape((batch,) + x.shape[-3:]) for x in (q, k, v))
+    if layout is None:
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+            if segment_ids.ndim > 1 and segment_ids.shape[:-1] != batch_shape:
+                raise ValueError(
+                    f"`segment_ids` must have shape [*batch, seq] = {batch_shape + (seq,)} "
+                    f"or [seq]; got shape {segment_ids.shape}."
+                )
+            if segment_ids.ndim > 1:
+                segment_ids = segment_ids.reshape(batch, -1)
+        lay = Uniform().layout(seq, num_shards, segment_ids=segment_ids)
+        if lay.batch_shape:
+            q3, k3, v3 = (jax.vmap(Layout.shard)(lay, x) for x in (q3, k3, v3))
+        else:
+            q3, k3, v3 = (jax.vmap(lay.shard)(x) for x in (q3, k3, v3))
+    else:
+        if segment_ids is not None:
+            raise ValueError(
+                "Pass `segment_ids` to the strategy that builds the layout, not to "
+                "ring_attention together with `layout=`."
+            )
+        if layout.num_shards != num_shards:
+            raise ValueError(
+                f"The layout has {layout.num_shards} shards but the ring axis "
+                f"{axis_name!r} has {num_shards} devices; they must be equal."
+            )
+        if seq != layout.sharded_len:
+            raise ValueError(
+                "With `layout=`, q/k/v must be in layout order with seq = num_shards * "
+                f"capacity = {layout.sharded_len}; got seq {seq}. Use `layout.shard`."
+            )
+        if layout.batch_shape not in ((), batch_shape):
+            raise ValueError(
+                f"The layout's batch shape {layout.batch_shape} must be () or the batch "
+                f"shape of q {batch_shape}."
+            )
+        lay = layout
+    if segment_ids is None and layout is None and mask_needs_segments(mask):
+        raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
+
+    info = _broadcast_info(lay.token_info(), batch)
+    st = _Static(
+        kernel_obj, scale, axis_name, num_shards, num_ring_steps(mask, lay), config
+    )
+    batch_axis = "batch" if (batch_shape and "batch" in mesh.axis_names) else None
+    if batch_axis is not None and batch % mesh.shape["batch"] != 0:
+        raise ValueError(
+            f"The batch size {batch} must be divisible by the mesh axis 'batch' of size "
+            f"{mesh.shape['batch']}."
+        )
+    seq_spec = PartitionSpec(batch_axis, axis_name)
+
+    def local(q, k, v, info, mask, score_mod):
+        # Heads-major inside the device: the kernels' matmuls then batch over heads.
+        qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out, _ = _ring(st, qh, kh, vh, info, info, mask, score_mod)
+        return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+
+    q3, k3, v3 = (_constrain(x, mesh, seq_spec) for x in (q3, k3, v3))
+    info = jax.tree.map(lambda x: _constrain(x, mesh, seq_spec), info)
+    out = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, PartitionSpec(), PartitionSpec()),
+        out_specs=seq_spec,
+        check_vma=False,
+    )(q3, k3, v3, info, mask, score_mod)
+    if layout is None:
+        if lay.batch_shape:
+            out = jax.vmap(Layout.unshard)(lay, out)
+        else:
+            out = jax.vmap(lay.unshard)(out)
+    return out.reshape(batch_shape + (seq, heads, head_dim))

@@ -1,0 +1,42 @@
+"""The abstract sharding strategy."""
+
+import abc
+
+import equinox as eqx
+from jaxtyping import Array, Int
+
+from .._layout import Layout
+
+
+class AbstractShardingStrategy(eqx.Module):
+    """Decides which shard holds each token, and in what order.
+
+    A strategy only produces a [`ringeqx.Layout`][]; masks read positions and segment ids
+    from it, so every strategy gives the exact answer and differs only in speed. Array
+    fields of a strategy are pytree leaves: new values do not recompile.
+
+    Subclass it to write your own strategy (see the README): implement `layout`, and build
+    the result with [`ringeqx.layout_from_order`][].
+    """
+
+    @abc.abstractmethod
+    def layout(
+        self,
+        seq_len: int,
+        num_shards: int,
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        span_ids: Int[Array, "*batch seq"] | None = None,
+    ) -> Layout:
+        """Place `seq_len` tokens on `num_shards` shards.
+
+        **Arguments:**
+
+        - `seq_len`: length of the original sequence.
+        - `num_shards`: number of devices on the ring.
+        - `segment_ids`: optional document id per token (`[*batch, seq_len]`); a batched
+            array gives a batched layout.
+        - `span_ids`: optional span id per token (-1 for none): spans that must stay whole.
+
+        **Returns:** a `Layout` with `num_shards` shards.
+        """

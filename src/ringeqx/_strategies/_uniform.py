@@ -1,0 +1,47 @@
+"""Contiguous shards."""
+
+import math
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from .._layout import Layout, layout_from_order
+from ._base import AbstractShardingStrategy
+
+
+def check_num_shards(seq_len: int, num_shards: int) -> None:
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"`num_shards` must be an integer >= 1; got {num_shards!r}.")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"`seq_len` must be an integer >= 1; got {seq_len!r}.")
+
+
+class Uniform(AbstractShardingStrategy):
+    """Contiguous, equal shards: shard `s` holds tokens `[s * C, (s + 1) * C)`.
+
+    A length not divisible by the shard count is padded at the end to the common
+    capacity `C = ceil(seq_len / num_shards)`; the padding is masked out.
+
+    Under a causal mask the work is unbalanced (the last shard attends to everything,
+    the first to itself): see `Zigzag` and `Striped` for balanced alternatives.
+    """
+
+    def layout(
+        self,
+        seq_len: int,
+        num_shards: int,
+        *,
+        segment_ids: Int[Array, "*batch seq"] | None = None,
+        span_ids: Int[Array, "*batch seq"] | None = None,
+    ) -> Layout:
+        check_num_shards(seq_len, num_shards)
+        capacity = math.ceil(seq_len / num_shards)
+        idx = jnp.arange(num_shards * capacity, dtype=jnp.int32)
+        order = jnp.where(idx < seq_len, idx, -1).reshape(num_shards, capacity)
+        return layout_from_order(
+            order,
+            seq_len,
+            segment_ids=segment_ids,
+            span_ids=span_ids,
+            contiguous=True,
+        )
