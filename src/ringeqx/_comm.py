@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 
@@ -17,11 +18,13 @@ class RingConfig(eqx.Module):
         default) sends K/V as they are.
     """
 
-    compression_dtype: jnp.dtype | None = eqx.field(static=True, default=None)
+    compression_dtype: DTypeLike | None = eqx.field(
+        static=True, default=None, converter=lambda d: None if d is None else jnp.dtype(d)
+    )
 
     def __check_init__(self):
         dt = self.compression_dtype
-        if dt is not None and not jnp.issubdtype(jnp.dtype(dt), jnp.floating):
+        if dt is not None and not jnp.issubdtype(dt, jnp.floating):
             raise ValueError(
                 f"RingConfig `compression_dtype` must be a floating dtype or None; got {dt!r}."
             )
@@ -44,8 +47,19 @@ def shift_compressed(
     if dt is None:
         return shift(tree, axis_name, num_shards, 1)
 
+    bits = jnp.dtype(f"uint{8 * jnp.dtype(dt).itemsize}")
+
+    # Sent as raw bits: otherwise XLA may move the narrowing convert past the transfer
+    # (it does on CPU) and send the wide dtype after all.
     def pack(x):
-        return x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.lax.bitcast_convert_type(x.astype(dt), bits)
+
+    def unpack(new, old):
+        if not jnp.issubdtype(old.dtype, jnp.floating):
+            return new
+        return jax.lax.bitcast_convert_type(new, dt).astype(old.dtype)
 
     sent = shift(jax.tree.map(pack, tree), axis_name, num_shards, 1)
-    return jax.tree.map(lambda new, old: new.astype(old.dtype), sent, tree)
+    return jax.tree.map(unpack, sent, tree)

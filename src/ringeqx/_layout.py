@@ -120,10 +120,12 @@ class Layout(eqx.Module):
                 "Layout.unshard expected an array with leading axis "
                 f"num_shards * capacity={self.sharded_len}; got shape {y.shape}."
             )
-        # Padding slots scatter out of bounds and are dropped.
+        # Gather through the inverse permutation (slot of each original token): the
+        # scatter runs on small int arrays only, and the gather's transpose is cheap.
         idx = jnp.where(self.valid.reshape(-1), self.positions.reshape(-1), self.seq_len)
-        out = jnp.zeros((self.seq_len,) + y.shape[1:], y.dtype)
-        return out.at[idx].set(y, mode="drop", unique_indices=True)
+        slots = jnp.arange(self.sharded_len, dtype=jnp.int32)
+        inverse = jnp.zeros(self.seq_len, jnp.int32).at[idx].set(slots, mode="drop")
+        return y[inverse]
 
 
 def _check_ids(name: str, ids, seq_len: int) -> Array:
@@ -138,11 +140,11 @@ def _check_ids(name: str, ids, seq_len: int) -> Array:
 
 
 def layout_from_order(
-    order: Int[Array, "*batch shards capacity"],
+    order: Int[Array, "*#batch shards capacity"],
     seq_len: int,
     *,
-    segment_ids: Int[Array, "*batch seq"] | None = None,
-    span_ids: Int[Array, "*batch seq"] | None = None,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
+    span_ids: Int[Array, "*#batch seq"] | None = None,
     contiguous: bool = False,
 ) -> Layout:
     """Build a `Layout` from the original index held by each slot (`-1` = padding).

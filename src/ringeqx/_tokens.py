@@ -52,17 +52,18 @@ class BlockSummary(eqx.Module):
     """Ranges of positions, segments and spans over the valid tokens of a block.
 
     Block rules of masks use it to answer "may any pair in these two blocks attend?"
-    without looking at single tokens. Ranges are over valid tokens only; a block without
+    without looking at single tokens. Fields are scalars for one block; kernels stack the
+    summaries of all their tiles along leading `blocks` axes. Ranges are over valid tokens only; a block without
     any valid token has `any_valid=False` and empty ranges (min > max).
     """
 
-    pos_min: Int[Array, ""]
-    pos_max: Int[Array, ""]
-    seg_min: Int[Array, ""]
-    seg_max: Int[Array, ""]
-    span_min: Int[Array, ""]
-    span_max: Int[Array, ""]
-    any_valid: Bool[Array, ""]
+    pos_min: Int[Array, "*blocks"]
+    pos_max: Int[Array, "*blocks"]
+    seg_min: Int[Array, "*blocks"]
+    seg_max: Int[Array, "*blocks"]
+    span_min: Int[Array, "*blocks"]
+    span_max: Int[Array, "*blocks"]
+    any_valid: Bool[Array, "*blocks"]
 
     @staticmethod
     def of(info: TokenInfo, axis: int | tuple[int, ...] | None = None) -> "BlockSummary":

@@ -1,0 +1,122 @@
+"""A pre-norm transformer block and a small language model on ring attention."""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._layout import Layout
+from ._attention import RingAttention
+
+
+class TransformerBlock(eqx.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (GELU MLP).
+
+    **Arguments:**
+
+    - `attention`: the block's [`ringeqx.nn.RingAttention`][] (its mask, kernel and
+        config are this layer's own).
+    - `hidden`: MLP width.
+    - `key`: a `jax.random` key.
+    """
+
+    attention_norm: eqx.nn.RMSNorm
+    attention: RingAttention
+    mlp_norm: eqx.nn.RMSNorm
+    mlp_in: eqx.nn.Linear
+    mlp_out: eqx.nn.Linear
+
+    def __init__(self, attention: RingAttention, hidden: int, *, key: PRNGKeyArray):
+        dim = attention.output_proj.out_features
+        assert isinstance(dim, int)
+        k1, k2 = jax.random.split(key)
+        self.attention_norm = eqx.nn.RMSNorm(dim)
+        self.attention = attention
+        self.mlp_norm = eqx.nn.RMSNorm(dim)
+        self.mlp_in = eqx.nn.Linear(dim, hidden, key=k1)
+        self.mlp_out = eqx.nn.Linear(hidden, dim, key=k2)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq dim"],
+        layout: Layout | None = None,
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        mesh=None,
+    ) -> Float[Array, "seq dim"]:
+        h = jax.vmap(self.attention_norm)(x)
+        x = x + self.attention(h, layout, segment_ids=segment_ids, mesh=mesh)
+        h = jax.vmap(self.mlp_norm)(x)
+        h = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
+        return x + h
+
+
+class RingTransformerLM(eqx.Module):
+    """A small decoder-only language model whose attention runs on a ring.
+
+    Each block is a [`ringeqx.nn.TransformerBlock`][]; they may differ (per-layer plans:
+    local and global masks, their own kernels), which is why they are a tuple run in a
+    Python loop rather than a scan over stacked layers.
+
+    **Arguments:**
+
+    - `vocab_size`, `dim`, `num_heads`, `num_kv_heads`, `num_layers`, `hidden`: sizes.
+    - `checkpoint`: rematerialise each block in the backward pass (gradient
+        checkpointing: activation memory of one block instead of all).
+    - `attention_kwargs`: passed to every [`ringeqx.nn.RingAttention`][] (mask, kernel,
+        ...).
+    - `key`: a `jax.random` key.
+    """
+
+    embedding: eqx.nn.Embedding
+    blocks: tuple[TransformerBlock, ...]
+    final_norm: eqx.nn.RMSNorm
+    head: eqx.nn.Linear
+    checkpoint: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        num_kv_heads: int | None = None,
+        hidden: int | None = None,
+        checkpoint: bool = False,
+        attention_kwargs: dict | None = None,
+        key: PRNGKeyArray,
+    ):
+        keys = jax.random.split(key, 2 * num_layers + 2)
+        kwargs = {} if attention_kwargs is None else attention_kwargs
+        hidden = 4 * dim if hidden is None else hidden
+        self.embedding = eqx.nn.Embedding(vocab_size, dim, key=keys[0])
+        self.blocks = tuple(
+            TransformerBlock(
+                RingAttention(dim, num_heads, num_kv_heads, key=keys[2 * i + 1], **kwargs),
+                hidden,
+                key=keys[2 * i + 2],
+            )
+            for i in range(num_layers)
+        )
+        self.final_norm = eqx.nn.RMSNorm(dim)
+        self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=keys[-1])
+        self.checkpoint = checkpoint
+
+    def __call__(
+        self,
+        tokens: Int[Array, " seq"],
+        layout: Layout | None = None,
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        mesh=None,
+    ) -> Float[Array, "seq vocab"]:
+        """Logits for one example (`tokens` in layout order when `layout` is given)."""
+        x = jax.vmap(self.embedding)(tokens)
+        for block in self.blocks:
+
+            def run(block, x):
+                return block(x, layout, segment_ids=segment_ids, mesh=mesh)
+
+            x = (eqx.filter_checkpoint(run) if self.checkpoint else run)(block, x)
+        x = jax.vmap(self.final_norm)(x)
+        return jax.vmap(self.head)(x)
