@@ -1,0 +1,128 @@
+"""The Equinox layers: RingAttention, the transformer block and the small LM."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import assert_close, mesh, packed_segments
+
+import ringeqx as rx
+
+
+def _dense_attention(attn: rx.nn.RingAttention, x, segment_ids=None):
+    """The module's maths written independently, with dense attention."""
+    seq = x.shape[0]
+    q = (x @ attn.query_proj.weight.T).reshape(seq, attn.num_heads, attn.head_dim)
+    k = (x @ attn.key_proj.weight.T).reshape(seq, attn.num_kv_heads, attn.head_dim)
+    v = (x @ attn.value_proj.weight.T).reshape(seq, attn.num_kv_heads, attn.head_dim)
+    pos = jnp.arange(seq)
+    q = rx.nn.apply_rope(q, pos, attn.rope_theta)
+    k = rx.nn.apply_rope(k, pos, attn.rope_theta)
+    out = rx.reference_attention(q, k, v, mask=attn.mask, segment_ids=segment_ids)
+    return out.reshape(seq, -1) @ attn.output_proj.weight.T
+
+
+def test_rope_rotates_by_position():
+    x = jax.random.normal(jax.random.key(0), (5, 3, 4))
+    pos = jnp.arange(5)
+    y = rx.nn.apply_rope(x, pos)
+    # Rotations keep norms, and a shift of both positions keeps dot products.
+    assert_close(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1))
+    y2 = rx.nn.apply_rope(x, pos + 7)
+    assert_close(jnp.einsum("qhd,khd->hqk", y, y), jnp.einsum("qhd,khd->hqk", y2, y2), 1e-4, 1e-4)
+    with pytest.raises(ValueError, match="even head_dim"):
+        rx.nn.apply_rope(x[..., :3], pos)
+
+
+def test_module_matches_dense_values_and_gradients():
+    m = mesh(4)
+    attn = rx.nn.RingAttention(
+        12, 4, 2, head_dim=6, mask=rx.Causal() & rx.Document(), kernel=rx.XlaKernel(4, 8),
+        key=jax.random.key(1),
+    )
+    x = jax.random.normal(jax.random.key(2), (23, 12))
+    seg = packed_segments(23, [7, 10])
+
+    def ring_loss(attn, x):
+        return jnp.sum(attn(x, segment_ids=seg, mesh=m) ** 2)
+
+    def dense_loss(attn, x):
+        return jnp.sum(_dense_attention(attn, x, seg) ** 2)
+
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(ring_loss))(attn, x)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(dense_loss)(attn, x)
+    assert_close(loss, ref_loss, 1e-5, 1e-4)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert_close(g, r, 1e-4, 1e-5)
+
+
+def test_module_under_vmap_with_batch_mesh_and_layout():
+    m = mesh(2, 4, names=("batch", "sequence"))
+    attn = rx.nn.RingAttention(12, 6, 3, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (4, 19, 12))
+    layout = rx.Uniform().layout(19, 4)
+    xs = jax.vmap(layout.shard)(x)
+
+    @eqx.filter_jit
+    def run(attn, xs):
+        return jax.vmap(lambda x: attn(x, layout), spmd_axis_name="batch")(xs)
+
+    with jax.set_mesh(m):
+        out = jax.vmap(layout.unshard)(run(attn, xs))
+    ref = jax.vmap(lambda x: _dense_attention(attn, x))(x)
+    assert out.shape == x.shape
+    assert_close(out, ref, 1e-5, 1e-5)
+
+
+def test_module_errors():
+    with pytest.raises(ValueError, match="multiple of `num_kv_heads`"):
+        rx.nn.RingAttention(12, 4, 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="even `head_dim`"):
+        rx.nn.RingAttention(12, 4, head_dim=5, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="not divisible by `num_heads`"):
+        rx.nn.RingAttention(10, 4, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_small_lm_trains_and_matches_dense_gradients(checkpoint):
+    m = mesh(4)
+    model = rx.nn.RingTransformerLM(
+        vocab_size=11, dim=16, num_heads=4, num_layers=2, num_kv_heads=2, hidden=24,
+        checkpoint=checkpoint, attention_kwargs=dict(kernel=rx.XlaKernel(8, 8)),
+        key=jax.random.key(5),
+    )
+    tokens = jax.random.randint(jax.random.key(6), (2, 25), 0, 11)
+
+    def loss_fn(model, tokens):
+        logits = jax.vmap(lambda t: model(t[:-1], mesh=m))(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    opt = optax.adam(3e-2)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(model, state, tokens):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
+        # optax mixes Python floats with int32 step counts; our code is strict, optax not.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, loss
+
+    # Gradients of the ring model equal those of the same model on one device (dense).
+    one = mesh(1)
+
+    def dense_loss(model, tokens):
+        logits = jax.vmap(lambda t: model(t[:-1], mesh=one))(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    g_ring = eqx.filter_jit(eqx.filter_grad(loss_fn))(model, tokens)
+    g_one = eqx.filter_jit(eqx.filter_grad(dense_loss))(model, tokens)
+    for a, b in zip(jax.tree.leaves(g_ring), jax.tree.leaves(g_one)):
+        assert_close(a, b, 1e-4, 1e-5)
+
+    losses = []
+    for _ in range(8):
+        model, state, loss = step(model, state, tokens)
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses
