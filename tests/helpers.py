@@ -21,24 +21,90 @@ def mesh(*shape: int, names=("sequence",), explicit: bool = False):
 # array leaves (boundary positions) can make valid ones.
 STRATEGIES = [
     ("uniform", lambda seq_len: rx.Uniform()),
+    ("zigzag", lambda seq_len: rx.Zigzag()),
+    ("striped", lambda seq_len: rx.Striped()),
+    ("striped3", lambda seq_len: rx.Striped(stripe=3)),
+    # Breaks every 4-9 tokens over the first ~60%, then a long gap that must be cut.
+    (
+        "boundary",
+        lambda seq_len: rx.Boundary(np.cumsum(np.resize([5, 9, 4, 7, 6], seq_len // 10))),
+    ),
+    ("work_balanced", lambda seq_len: rx.WorkBalanced(chunk=2)),
+    ("modality_aware", lambda seq_len: rx.ModalityAware()),
+    ("modality_aware_contiguous", lambda seq_len: rx.ModalityAware(zigzag=False)),
 ]
 
-# (name, mask, needs segment ids)
+# (name, mask): masks that read positions and segment ids only, any sequence length.
 MASKS = [
     ("full", rx.Full()),
     ("causal", rx.Causal()),
     ("document", rx.Document()),
     ("causal_document", rx.Causal() & rx.Document()),
+    ("sliding_window", rx.SlidingWindow(6)),
+    ("sliding_window_two_sided", rx.SlidingWindow(5, two_sided=True)),
+    ("window_document", rx.SlidingWindow(9) & rx.Document()),
+    ("prefix_lm", rx.PrefixLM(7)),
+]
+
+
+def block_pattern(seq_len: int, block_size: int) -> jax.Array:
+    """A fixed, irregular block map for `BlockSparse` (diagonal always on)."""
+    n = -(-seq_len // block_size)
+    i, j = np.indices((n, n))
+    return jnp.asarray(((i * 3 + j * 5) % 7 < 3) | (i == j))
+
+
+def span_ids(seq_len: int) -> jax.Array:
+    """Span ids (-1 = none) with spans of 6 and 9 tokens and a one-token span; the
+    second starts at 40% of the sequence so it crosses shard edges."""
+    ids = np.full(seq_len, -1)
+    ids[2:8] = 0
+    start = (2 * seq_len) // 5
+    ids[start : start + 9] = 1
+    ids[seq_len - 3] = 2
+    return jnp.asarray(ids, jnp.int32)
+
+
+# (name, factory(seq_len) -> mask): every mask, including those that read span ids or
+# whose arrays depend on the sequence length. Contract tests call them with
+# `segment_ids=packed_segments(...)` and `span_ids=span_ids(seq_len)`.
+ALL_MASKS = [(name, lambda seq_len, m=m: m) for name, m in MASKS] + [
+    ("bidirectional_spans", lambda seq_len: rx.BidirectionalSpans()),
+    ("block_sparse", lambda seq_len: rx.BlockSparse(block_pattern(seq_len, 4), 4)),
+    (
+        "block_sparse_causal_or_spans",
+        lambda seq_len: (rx.BlockSparse(block_pattern(seq_len, 5), 5) & rx.Causal())
+        | rx.BidirectionalSpans(),
+    ),
 ]
 
 # (name, factory(heads) -> score modifier or None)
 SCORE_MODS = [
     ("none", lambda heads: None),
+    ("softcap", lambda heads: rx.Softcap(1.5)),
+    ("alibi", lambda heads: rx.ALiBi(0.3 * 0.5 ** jnp.arange(heads, dtype=jnp.float32))),
+    (
+        "alibi_softcap",
+        lambda heads: rx.Chain(
+            rx.ALiBi(jnp.linspace(0.05, 0.4, heads, dtype=jnp.float32)), rx.Softcap(2.0)
+        ),
+    ),
+]
+
+# (name, factory(heads) -> attention-sink logits `float32[heads]` or None), passed as
+# `sinks=`.
+SINKS = [
+    ("none", lambda heads: None),
+    ("sinks", lambda heads: jnp.linspace(-1.0, 1.5, heads, dtype=jnp.float32)),
 ]
 
 # (name, kernel) with small blocks so that tiling, padding and skipping are exercised.
 KERNELS = [
     ("xla", rx.XlaKernel(block_q=8, block_kv=4)),
+    # Pallas kernels in the interpreter, with the smallest tiles their devices accept
+    # (Triton: powers of two >= 16; Mosaic: multiples of 8 x 128).
+    ("pallas_gpu", rx.PallasGpuKernel(block_q=16, block_kv=16, interpret=True)),
+    ("pallas_tpu", rx.PallasTpuKernel(block_q=16, block_kv=128, interpret=True)),
 ]
 
 

@@ -4,22 +4,42 @@ import importlib.metadata
 
 from ._comm import RingConfig as RingConfig
 from ._kernels._base import AbstractAttentionKernel as AbstractAttentionKernel
+from ._kernels._pallas_gpu import PallasGpuKernel as PallasGpuKernel
+from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
+from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
 from ._layout import Layout as Layout, layout_from_order as layout_from_order
 from ._masks import (
     AbstractMask as AbstractMask,
     And as And,
+    BidirectionalSpans as BidirectionalSpans,
+    BlockSparse as BlockSparse,
     Causal as Causal,
     Document as Document,
     Full as Full,
     Or as Or,
+    PrefixLM as PrefixLM,
+    SlidingWindow as SlidingWindow,
 )
+from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._reference import reference_attention as reference_attention
+from . import nn as nn
 from ._ring import num_ring_steps as num_ring_steps, ring_attention as ring_attention
-from ._score_mods import AbstractScoreMod as AbstractScoreMod
+from ._schedule import Schedule as Schedule, schedule as schedule
+from ._score_mods import (
+    AbstractScoreMod as AbstractScoreMod,
+    ALiBi as ALiBi,
+    Chain as Chain,
+    Softcap as Softcap,
+)
 from ._strategies._base import AbstractShardingStrategy as AbstractShardingStrategy
+from ._strategies._boundary import Boundary as Boundary
+from ._strategies._modality import ModalityAware as ModalityAware
+from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
+from ._strategies._work_balanced import WorkBalanced as WorkBalanced
+from ._strategies._zigzag import Zigzag as Zigzag
 from ._tokens import BlockSummary as BlockSummary, TokenInfo as TokenInfo
 
 

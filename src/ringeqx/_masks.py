@@ -1,10 +1,11 @@
 """Attention masks as pytrees: an elementwise rule and a conservative block rule."""
 
 import abc
+import math
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool
+from jaxtyping import Array, ArrayLike, Bool, Int
 
 from ._tokens import BlockSummary, TokenInfo
 
@@ -16,8 +17,26 @@ class AbstractMask(eqx.Module):
     segment id, span id), never on slots, so it is exact under every sharding strategy.
     Padding is handled by the ring itself; masks never see it.
 
-    Subclass it to write your own mask: implement the three methods below. Combine masks
+    Subclass it to write your own mask: implement the four methods below. Combine masks
     with `a & b` and `a | b`.
+
+    **Example:**
+
+    ```python
+    class EvenKeys(ringeqx.AbstractMask):
+        # Causal, and only keys at even positions.
+        def allows(self, q, k):
+            return (q.positions >= k.positions) & (k.positions % 2 == 0)
+
+        def may_attend(self, q, k):
+            return q.pos_max >= k.pos_min   # ignoring the parity is conservative
+
+        def max_distance(self):
+            return None
+
+        def max_lookahead(self):
+            return 0
+    ```
     """
 
     @abc.abstractmethod
@@ -29,20 +48,31 @@ class AbstractMask(eqx.Module):
         """
 
     @abc.abstractmethod
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         """Block rule: may *any* query of block `q` attend to *any* key of block `k`?
 
         It must be conservative: whenever `allows` is True for some pair of valid tokens in
         the two blocks, this returns True. A False lets the ring skip a step and the kernel
-        skip a tile.
+        skip a tile. The summaries may hold stacks of blocks (broadcastable leading axes):
+        write the rule with elementwise `jnp` operations and it answers for every pair of
+        blocks at once. Blocks without valid tokens are ruled out by the caller.
         """
 
     @abc.abstractmethod
     def max_distance(self) -> int | None:
-        """A static bound on `q_position - k_position` for attending pairs, or None.
+        """A static bound on how far back a query looks, or None.
 
-        With a contiguous layout, a bound lets the ring stop after the steps that can
-        still matter.
+        For every attending pair, `q_position - k_position <= max_distance()`. With a
+        contiguous layout the ring then runs only the steps that can still matter.
+        """
+
+    @abc.abstractmethod
+    def max_lookahead(self) -> int | None:
+        """A static bound on how far ahead a query looks, or None.
+
+        For every attending pair, `k_position - q_position <= max_lookahead()`: 0 for causal
+        masks, `window - 1` for a two-sided window, None when keys anywhere ahead may be
+        seen. Together with `max_distance` it decides which ring steps run.
         """
 
     def __and__(self, other: "AbstractMask") -> "And":
@@ -52,16 +82,23 @@ class AbstractMask(eqx.Module):
         return Or(self, other)
 
 
+def _shape(q: BlockSummary, k: BlockSummary) -> tuple[int, ...]:
+    return jnp.broadcast_shapes(q.pos_min.shape, k.pos_min.shape)
+
+
 class Full(AbstractMask):
     """Every query attends to every (valid) key."""
 
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return jnp.ones(jnp.broadcast_shapes(q.positions.shape, k.positions.shape), bool)
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
-        return jnp.array(True)
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return jnp.ones(_shape(q, k), bool)
 
     def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
         return None
 
 
@@ -71,11 +108,14 @@ class Causal(AbstractMask):
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return q.positions >= k.positions
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return q.pos_max >= k.pos_min
 
     def max_distance(self) -> int | None:
         return None
+
+    def max_lookahead(self) -> int | None:
+        return 0
 
 
 class Document(AbstractMask):
@@ -87,10 +127,179 @@ class Document(AbstractMask):
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return q.segments == k.segments
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return (q.seg_min <= k.seg_max) & (k.seg_min <= q.seg_max)
 
     def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return None
+
+
+class SlidingWindow(AbstractMask):
+    r"""Local attention: each query sees the `window` most recent keys (itself included).
+
+    Causal (the default): $0 \le q - k < \text{window}$. Two-sided:
+    $|q - k| < \text{window}$, for encoders. Positions are original positions, so the
+    window is exact under every strategy; with contiguous layouts (`Uniform`, `Boundary`)
+    the ring also stops early: shards of capacity $C$ need
+    $\lceil (\text{window} - 1) / C \rceil + 1$ ring steps per direction instead of one per
+    device, which cuts both compute and communication.
+
+    **Arguments:**
+
+    - `window`: static window length, an integer >= 1 (1 = each token sees itself).
+    - `two_sided`: static; also see the `window - 1` following keys.
+
+    `SlidingWindow(w)` is `jax.nn.dot_product_attention(..., is_causal=True,
+    local_window_size=(w - 1, 0))`; two-sided it is `local_window_size=(w - 1, w - 1)`.
+
+    ??? cite "Longformer"
+
+        ```bibtex
+        @article{beltagy2020longformer,
+          title={Longformer: The Long-Document Transformer},
+          author={Beltagy, Iz and Peters, Matthew E. and Cohan, Arman},
+          journal={arXiv:2004.05150},
+          year={2020}
+        }
+        ```
+    """
+
+    window: int = eqx.field(static=True)
+    two_sided: bool = eqx.field(static=True, default=False)
+
+    def __check_init__(self):
+        w = self.window
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise ValueError(f"SlidingWindow `window` must be an integer >= 1; got {w!r}.")
+
+    def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
+        d = q.positions - k.positions
+        low = 1 - self.window if self.two_sided else 0
+        return (d >= low) & (d < self.window)
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        # q - k ranges over [q.pos_min - k.pos_max, q.pos_max - k.pos_min]; does that
+        # interval meet the window's?
+        low = 1 - self.window if self.two_sided else 0
+        return (q.pos_max - k.pos_min >= low) & (q.pos_min - k.pos_max < self.window)
+
+    def max_distance(self) -> int | None:
+        return self.window - 1
+
+    def max_lookahead(self) -> int | None:
+        return self.window - 1 if self.two_sided else 0
+
+
+class PrefixLM(AbstractMask):
+    """Causal, except that the first `prefix_len` tokens all see each other.
+
+    The prefix (a prompt, an image) is attended bidirectionally; the rest is causal.
+    `prefix_len` is an array leaf, so one compiled program serves every prefix length.
+    For a different prefix per example, give span ids (0 on each prefix, -1 elsewhere)
+    and use [`ringeqx.BidirectionalSpans`][].
+
+    **Arguments:**
+
+    - `prefix_len`: number of leading tokens in the bidirectional prefix (an int or an
+        int32 scalar array; <= 0 gives a causal mask).
+    """
+
+    prefix_len: Int[ArrayLike, ""]
+
+    def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
+        n = self.prefix_len
+        return (q.positions >= k.positions) | ((q.positions < n) & (k.positions < n))
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        n = self.prefix_len
+        return (q.pos_max >= k.pos_min) | ((q.pos_min < n) & (k.pos_min < n))
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return None
+
+
+class BidirectionalSpans(AbstractMask):
+    """Causal text with bidirectional spans (image, audio clips).
+
+    A query sees every earlier key, and every key of its own span: tokens with one span
+    id `>= 0` attend to each other fully. Span ids come from
+    `ring_attention(..., span_ids=...)` or from the layout (`-1` = not in a span).
+    """
+
+    def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
+        same = (q.spans == k.spans) & (q.spans >= 0)
+        return (q.positions >= k.positions) | same
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        # A shared span id s >= 0 lies in both ranges, so both maxima are >= 0.
+        overlap = (q.span_min <= k.span_max) & (k.span_min <= q.span_max)
+        spans = overlap & (q.span_max >= 0) & (k.span_max >= 0)
+        return (q.pos_max >= k.pos_min) | spans
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return None
+
+
+class BlockSparse(AbstractMask):
+    """An explicit boolean map over blocks of the original sequence.
+
+    Query `i` may attend to key `j` iff `block_mask[i // block_size, j // block_size]`.
+    Combine it with `Causal()` (`BlockSparse(...) & Causal()`) for causal block-sparse
+    patterns. The map is an array leaf: new values do not recompile. Its block rule asks
+    whether any entry is True in the rectangle of the map that the two blocks' position
+    ranges cover (a summed-area table, so it is cheap for any ranges).
+
+    **Arguments:**
+
+    - `block_mask`: `bool[q_blocks, k_blocks]`, both `ceil(seq_len / block_size)` (checked
+        when the sequence length is known, by `ring_attention` and
+        `reference_attention`).
+    - `block_size`: static block length in tokens, an integer >= 1.
+    """
+
+    block_mask: Bool[Array, "q_blocks k_blocks"]
+    block_size: int = eqx.field(static=True)
+
+    def __check_init__(self):
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+            raise ValueError(f"BlockSparse `block_size` must be an integer >= 1; got {bs!r}.")
+        shape, dtype = jnp.shape(self.block_mask), jnp.result_type(self.block_mask)
+        if dtype != jnp.bool_:
+            raise TypeError(f"BlockSparse `block_mask` must be a bool array; got dtype {dtype}.")
+        if len(shape) != 2:
+            raise ValueError(
+                f"BlockSparse `block_mask` must be 2-D [q_blocks, k_blocks]; got shape {shape}."
+            )
+
+    def _block(self, positions, axis: int):
+        return jnp.clip(positions // self.block_size, 0, self.block_mask.shape[axis] - 1)
+
+    def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
+        return self.block_mask[self._block(q.positions, 0), self._block(k.positions, 1)]
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        table = jnp.cumsum(jnp.cumsum(self.block_mask.astype(jnp.int32), 0), 1)
+        table = jnp.pad(table, ((1, 0), (1, 0)))
+        q_lo, q_hi = self._block(q.pos_min, 0), self._block(q.pos_max, 0) + 1
+        k_lo, k_hi = self._block(k.pos_min, 1), self._block(k.pos_max, 1) + 1
+        count = table[q_hi, k_hi] - table[q_lo, k_hi] - table[q_hi, k_lo] + table[q_lo, k_lo]
+        nonempty = (q.pos_min <= q.pos_max) & (k.pos_min <= k.pos_max)
+        return nonempty & (count > 0)
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
         return None
 
 
@@ -102,8 +311,14 @@ def _min_bound(a: int | None, b: int | None) -> int | None:
     return min(a, b)
 
 
+def _max_bound(a: int | None, b: int | None) -> int | None:
+    if a is None or b is None:
+        return None
+    return max(a, b)
+
+
 class And(AbstractMask):
-    """Both masks allow the pair."""
+    """Both masks allow the pair (`left & right`)."""
 
     left: AbstractMask
     right: AbstractMask
@@ -111,15 +326,18 @@ class And(AbstractMask):
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return self.left.allows(q, k) & self.right.allows(q, k)
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.may_attend(q, k) & self.right.may_attend(q, k)
 
     def max_distance(self) -> int | None:
         return _min_bound(self.left.max_distance(), self.right.max_distance())
 
+    def max_lookahead(self) -> int | None:
+        return _min_bound(self.left.max_lookahead(), self.right.max_lookahead())
+
 
 class Or(AbstractMask):
-    """Either mask allows the pair."""
+    """Either mask allows the pair (`left | right`)."""
 
     left: AbstractMask
     right: AbstractMask
@@ -127,14 +345,14 @@ class Or(AbstractMask):
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return self.left.allows(q, k) | self.right.allows(q, k)
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, ""]:
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.may_attend(q, k) | self.right.may_attend(q, k)
 
     def max_distance(self) -> int | None:
-        left, right = self.left.max_distance(), self.right.max_distance()
-        if left is None or right is None:
-            return None
-        return max(left, right)
+        return _max_bound(self.left.max_distance(), self.right.max_distance())
+
+    def max_lookahead(self) -> int | None:
+        return _max_bound(self.left.max_lookahead(), self.right.max_lookahead())
 
 
 def mask_needs_segments(mask: AbstractMask) -> bool:
@@ -146,3 +364,32 @@ def mask_needs_segments(mask: AbstractMask) -> bool:
             return mask_needs_segments(mask.left) or mask_needs_segments(mask.right)
         case _:
             return False
+
+
+def mask_needs_spans(mask: AbstractMask) -> bool:
+    """Whether a mask reads span ids (so callers must supply them)."""
+    match mask:
+        case BidirectionalSpans():
+            return True
+        case And() | Or():
+            return mask_needs_spans(mask.left) or mask_needs_spans(mask.right)
+        case _:
+            return False
+
+
+def check_mask(mask: AbstractMask, seq_len: int) -> None:
+    """Trace-time checks of a mask against the original sequence length."""
+    match mask:
+        case BlockSparse():
+            n = math.ceil(seq_len / mask.block_size)
+            if mask.block_mask.shape != (n, n):
+                raise ValueError(
+                    "BlockSparse `block_mask` must have shape (ceil(seq_len / block_size),) "
+                    f"* 2 = {(n, n)} for seq_len={seq_len} and block_size="
+                    f"{mask.block_size}; got shape {mask.block_mask.shape}."
+                )
+        case And() | Or():
+            check_mask(mask.left, seq_len)
+            check_mask(mask.right, seq_len)
+        case _:
+            pass

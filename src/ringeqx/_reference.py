@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._layout import Layout
-from ._masks import AbstractMask, Full, mask_needs_segments
-from ._score_mods import AbstractScoreMod
+from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
+from ._score_mods import AbstractScoreMod, check_score_mod, check_sinks
 from ._tokens import TokenInfo
 
 
@@ -21,24 +21,32 @@ def reference_attention(
     layout: Layout | None = None,
     scale: float | None = None,
     score_mod: AbstractScoreMod | None = None,
+    span_ids: Int[Array, "*#batch seq"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """The dense answer of [`ringeqx.ring_attention`][] on one device, in float32.
 
     Same arguments and semantics (masks, segment ids, layout order, score modifiers,
     zero rows where nothing is attended); it materialises the full score matrix, so use
-    it for small problems.
+    it for small problems. `sinks` (one logit per head) join every row's softmax
+    denominator as a key of value zero.
     """
     mask = Full() if mask is None else mask
     seq, heads, head_dim = q.shape[-3:]
     kv_heads = k.shape[-2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    check_mask(mask, seq if layout is None else layout.seq_len)
+    check_score_mod(score_mod, heads)
+    check_sinks(sinks, heads)
     if layout is None:
         if mask_needs_segments(mask) and segment_ids is None:
             raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
         pos = jnp.arange(seq, dtype=jnp.int32)
+        if mask_needs_spans(mask) and span_ids is None:
+            raise ValueError("This mask reads span ids: pass `span_ids=` or a `layout=`.")
         seg = pos * 0 - 1 if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-        info = TokenInfo(pos, seg, pos * 0 - 1, pos >= 0)
-        info = TokenInfo(*jnp.broadcast_arrays(info.positions, info.segments, info.spans, info.valid))
+        span = pos * 0 - 1 if span_ids is None else jnp.asarray(span_ids, jnp.int32)
+        info = TokenInfo(*jnp.broadcast_arrays(pos, seg, span, pos >= 0))
     else:
         info = layout.token_info()
     # info: [*batch or (), seq]
@@ -55,9 +63,15 @@ def reference_attention(
         s = score_mod(s, qi, ki)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        z = sinks.astype(jnp.float32).reshape(heads, 1, 1)
+        z = z.reshape((1,) * (s.ndim - 3) + z.shape)
+        m = jnp.maximum(m, z)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(z - m)
     p = p / jnp.where(l > 0, l, 1.0)
     out = jnp.einsum("...hqk,...khd->...qhd", p, vf)
     return out.astype(q.dtype)

@@ -10,12 +10,12 @@ from jaxtyping import Array, Float, Int
 
 from ._comm import RingConfig, shift, shift_compressed
 from ._kernels._base import AbstractAttentionKernel
-from ._kernels._select import KernelName, select_kernel
+from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout
-from ._masks import AbstractMask, Full, mask_needs_segments
-from ._score_mods import AbstractScoreMod
+from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
+from ._score_mods import AbstractScoreMod, apply_sinks, check_score_mod, check_sinks
 from ._strategies._uniform import Uniform
-from ._tokens import TokenInfo
+from ._tokens import BlockSummary, TokenInfo
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -35,14 +35,17 @@ def _may_attend(mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
 class _Static:
     """Hashable, static settings of one ring call (the custom VJP's non-diff argument)."""
 
-    def __init__(self, kernel, scale, axis_name, num_shards, num_steps, config):
+    def __init__(self, kernel, scale, axis_name, num_shards, num_steps, config, num_ahead=0):
         self.kernel = kernel
         self.scale = scale
         self.axis_name = axis_name
         self.num_shards = num_shards
         self.num_steps = num_steps
         self.config = config
-        self._key = (kernel, scale, axis_name, num_shards, num_steps, config)
+        # The ring starts with each device holding the K/V of the shard `num_ahead` ahead
+        # of its own (two-sided bounded masks), then moves them +1 per step.
+        self.num_ahead = num_ahead
+        self._key = (kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
 
     def __hash__(self):
         return hash(self._key)
@@ -75,7 +78,8 @@ def _ring_forward(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
         return (nxt, o, lse), None
 
     zero = jnp.zeros_like(q, jnp.float32)
-    init = ((k, v, kv_info), zero, zero[..., 0] - jnp.inf)
+    kv = shift((k, v, kv_info), st.axis_name, st.num_shards, -st.num_ahead)
+    init = (kv, zero, zero[..., 0] - jnp.inf)
     (kv, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
     return _merge(o, lse, *compute(kv))
 
@@ -122,14 +126,19 @@ def _ring_bwd(st: _Static, res, cts):
         return (kv, acc, dq + dq_s), None
 
     zero_kv = jnp.zeros_like(k, jnp.float32)
-    init = ((k, v, kv_info), (zero_kv, zero_kv), jnp.zeros_like(q, jnp.float32))
+    kv = shift((k, v, kv_info), st.axis_name, st.num_shards, -st.num_ahead)
+    init = (kv, (zero_kv, zero_kv), jnp.zeros_like(q, jnp.float32))
     ((k_last, v_last, info_last), (dk, dv), dq), _ = jax.lax.scan(
         step, init, None, length=st.num_steps - 1
     )
     dq_s, dk_s, dv_s = compute(k_last, v_last, info_last)
-    # After num_steps - 1 hops the accumulators sit num_steps - 1 devices downstream.
+    # The accumulators started num_ahead devices upstream of their owner and made
+    # num_steps - 1 hops downstream.
     dk, dv = shift(
-        (dk + dk_s, dv + dv_s), st.axis_name, st.num_shards, 1 - st.num_steps
+        (dk + dk_s, dv + dv_s),
+        st.axis_name,
+        st.num_shards,
+        st.num_ahead + 1 - st.num_steps,
     )
     return (
         (dq + dq_s).astype(q.dtype),
@@ -145,13 +154,58 @@ def _ring_bwd(st: _Static, res, cts):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _ring_window(mask: AbstractMask, layout: Layout) -> tuple[int, int]:
+    """`(num_ahead, num_steps)`: the ring starts `num_ahead` shards ahead and runs
+    `num_steps` steps, so device `i` meets the shards `i + num_ahead, ..., i + num_ahead -
+    num_steps + 1` (mod the shard count)."""
+    p = layout.num_shards
+    behind, ahead = mask.max_distance(), mask.max_lookahead()
+    if behind is None or ahead is None or not layout.contiguous:
+        return 0, p
+
+    # In a contiguous layout whose shards between two others are full (capacity C), a
+    # query of shard i and a key of shard i - s are at least (s - 1) * C + 1 apart for
+    # s >= 1; pairs within `bound` need s <= ceil(bound / C). The same holds ahead.
+    def reach(bound: int) -> int:
+        return math.ceil(max(bound, 0) / layout.capacity)
+
+    num_ahead = reach(ahead)
+    num_steps = reach(behind) + num_ahead + 1
+    if num_steps >= p:
+        return 0, p
+    return num_ahead, num_steps
+
+
 def num_ring_steps(mask: AbstractMask, layout: Layout) -> int:
-    """How many ring steps can matter: all of them, unless the mask bounds the distance
-    between attending positions and the layout is contiguous."""
-    bound = mask.max_distance()
-    if bound is None or not layout.contiguous:
-        return layout.num_shards
-    return min(layout.num_shards, math.ceil(bound / layout.capacity) + 1)
+    """How many ring steps run: all of them, unless the mask bounds the distance between
+    attending positions (`max_distance` behind and `max_lookahead` ahead) and the layout
+    is contiguous. A causal window `W` over shards of capacity `C` needs
+    `ceil((W - 1) / C) + 1` steps; a two-sided one `2 ceil((W - 1) / C) + 1`."""
+    return _ring_window(mask, layout)[1]
+
+
+def _shards(layout: Layout) -> TokenInfo:
+    """Per-slot records `[batch, shards, capacity]` (batch 1 for unbatched layouts)."""
+    info = TokenInfo(layout.positions, layout.segments, layout.spans, layout.valid)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[-2:]), info)
+
+
+def _early_stop_error(mask: AbstractMask, layout: Layout) -> Array:
+    """True where a shard pair that the early-stopped ring never meets may still attend.
+
+    `_ring_window` assumes full inner shards; a contiguous layout with short shards
+    (padding in the middle) could break that, and then the answer would be silently
+    wrong. The block rule on whole shards catches it, at the cost of a few scalars."""
+    num_ahead, num_steps = _ring_window(mask, layout)
+    p = layout.num_shards
+    summ = BlockSummary.of(_shards(layout), axis=(0, 2))
+    q = jax.tree.map(lambda x: x[:, None], summ)
+    k = jax.tree.map(lambda x: x[None, :], summ)
+    i = jnp.arange(p)[:, None]
+    j = jnp.arange(p)[None, :]
+    # Device i meets shard j at step (i + num_ahead - j) mod p.
+    met = (i + num_ahead - j) % p < num_steps
+    return jnp.any(~met & q.any_valid & k.any_valid & mask.may_attend(q, k))
 
 
 def _check_qkv(q, k, v) -> None:
@@ -211,7 +265,7 @@ def _constrain(x, mesh, spec: PartitionSpec):
     explicit = PartitionSpec(
         *(a if a is not None and types[a] == AxisType.Explicit else None for a in spec)
     )
-    if all(a is None for a in explicit):
+    if AxisType.Explicit not in types.values():
         return x
     return jax.sharding.reshard(x, NamedSharding(mesh, explicit))
 
@@ -232,8 +286,12 @@ def ring_attention(
     axis_name: str = "sequence",
     scale: float | None = None,
     kernel: KernelName | AbstractAttentionKernel = "auto",
+    device_type: DeviceType = "auto",
+    interpret: bool = False,
     config: RingConfig | None = None,
     score_mod: AbstractScoreMod | None = None,
+    span_ids: Int[Array, "*#batch seq"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     r"""Exact softmax attention with the sequence sharded over a ring of devices.
 
@@ -263,9 +321,22 @@ def ring_attention(
         `"batch"` when it has one.
     - `axis_name`: the mesh axis that forms the ring.
     - `scale`: logit scale (default `1 / sqrt(head_dim)`).
-    - `kernel`: the per-device kernel: `"auto"`, a name, or a kernel object.
+    - `kernel`: the per-device kernel: `"auto"`, a name (`"xla"`, `"pallas_gpu"`,
+        `"pallas_tpu"`) or a kernel object; see [`ringeqx.select_kernel`][].
+    - `device_type`: `"auto"` (JAX's default backend), `"cpu"`, `"gpu"` or `"tpu"`:
+        picks the default kernel and its tiles; a device JAX does not have is an error.
+    - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter (CPU
+        tests).
     - `config`: a [`ringeqx.RingConfig`][].
-    - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits.
+    - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits
+        (several: [`ringeqx.Chain`][]). Its parameters are constants here (no gradient).
+    - `span_ids`: `int[*batch, seq]` span ids (-1 = none), for `BidirectionalSpans()`;
+        without a layout only, like `segment_ids`.
+    - `sinks`: optional attention-sink logits `float[heads]`: each joins every row's
+        softmax denominator as a key of value zero, $\operatorname{out}_i \leftarrow
+        \operatorname{out}_i\, e^{\ell_i - \operatorname{logaddexp}(\ell_i, z_h)}$ with
+        the row's global log-sum-exp $\ell_i$. Exact and differentiable (in the sinks
+        too: they are meant to be trained).
 
     **Returns:** an array shaped and typed like `q`. Rows that attend to nothing are zero.
 
@@ -290,8 +361,10 @@ def ring_attention(
     """
     _check_qkv(q, k, v)
     mask = Full() if mask is None else mask
+    check_score_mod(score_mod, q.shape[-2])
+    check_sinks(sinks, q.shape[-2])
     config = RingConfig() if config is None else config
-    kernel_obj = select_kernel(kernel)
+    kernel_obj = select_kernel(kernel, device_type, interpret=interpret)
     mesh = _resolve_mesh(mesh, axis_name)
     num_shards = mesh.shape[axis_name]
     batch_shape, seq = q.shape[:-3], q.shape[-3]
@@ -301,16 +374,25 @@ def ring_attention(
 
     q3, k3, v3 = (x.reshape((batch,) + x.shape[-3:]) for x in (q, k, v))
     if layout is None:
-        if segment_ids is not None:
-            segment_ids = jnp.asarray(segment_ids)
-            if segment_ids.ndim > 1 and segment_ids.shape[:-1] != batch_shape:
+
+        def ids(name, x):
+            if x is None:
+                return None
+            x = jnp.asarray(x)
+            if x.ndim > 1 and x.shape[:-1] != batch_shape:
                 raise ValueError(
-                    f"`segment_ids` must have shape [*batch, seq] = {batch_shape + (seq,)} "
-                    f"or [seq]; got shape {segment_ids.shape}."
+                    f"`{name}` must have shape [*batch, seq] = {batch_shape + (seq,)} "
+                    f"or [seq]; got shape {x.shape}."
                 )
-            if segment_ids.ndim > 1:
-                segment_ids = segment_ids.reshape(batch, -1)
-        lay = Uniform().layout(seq, num_shards, segment_ids=segment_ids)
+            return x.reshape(batch, -1) if x.ndim > 1 else x
+
+        segment_ids = ids("segment_ids", segment_ids)
+        lay = Uniform().layout(
+            seq,
+            num_shards,
+            segment_ids=segment_ids,
+            span_ids=ids("span_ids", span_ids),
+        )
         if lay.batch_shape:
             q3, k3, v3 = (jax.vmap(Layout.shard)(lay, x) for x in (q3, k3, v3))
         else:
@@ -319,6 +401,11 @@ def ring_attention(
         if segment_ids is not None:
             raise ValueError(
                 "Pass `segment_ids` to the strategy that builds the layout, not to "
+                "ring_attention together with `layout=`."
+            )
+        if span_ids is not None:
+            raise ValueError(
+                "Pass `span_ids` to the strategy that builds the layout, not to "
                 "ring_attention together with `layout=`."
             )
         if layout.num_shards != num_shards:
@@ -339,10 +426,27 @@ def ring_attention(
         lay = layout
     if segment_ids is None and layout is None and mask_needs_segments(mask):
         raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
+    if span_ids is None and layout is None and mask_needs_spans(mask):
+        raise ValueError("This mask reads span ids: pass `span_ids=` or a `layout=`.")
+    check_mask(mask, lay.seq_len)
 
     info = _broadcast_info(lay.token_info(), batch)
+    num_ahead, num_steps = _ring_window(mask, lay)
+    if num_steps < num_shards:
+        # Checked whenever the layout and mask are concrete (a runtime check would need a
+        # host callback, which cannot stop an SPMD program on every device).
+        with jax.ensure_compile_time_eval():
+            bad = _early_stop_error(mask, lay)
+        if not isinstance(bad, jax.core.Tracer) and bool(bad):
+            raise ValueError(
+                f"The ring stops after {num_steps} of {num_shards} steps (the mask's "
+                "max_distance/max_lookahead and a contiguous layout), but a shard it "
+                "skips may attend: either the mask's bounds are wrong or the layout's "
+                "shards hold fewer than `capacity` tokens between others. Fix the "
+                "bounds, or use a layout with contiguous=False."
+            )
     st = _Static(
-        kernel_obj, scale, axis_name, num_shards, num_ring_steps(mask, lay), config
+        kernel_obj, scale, axis_name, num_shards, num_steps, config, num_ahead
     )
     batch_axis = "batch" if (batch_shape and "batch" in mesh.axis_names) else None
     if batch_axis is not None and batch % mesh.shape["batch"] != 0:
@@ -355,19 +459,27 @@ def ring_attention(
     def local(q, k, v, info, mask, score_mod):
         # Heads-major inside the device: the kernels' matmuls then batch over heads.
         qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out, _ = _ring(st, qh, kh, vh, info, info, mask, score_mod)
-        return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+        out, lse = _ring(st, qh, kh, vh, info, info, mask, score_mod)
+        out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+        # With sinks, the float32 result is rescaled outside (where autodiff gives the
+        # sinks their gradient) before the cast.
+        return (out if sinks is not None else out.astype(q.dtype)), lse
 
     q3, k3, v3 = (_constrain(x, mesh, seq_spec) for x in (q3, k3, v3))
     info = jax.tree.map(lambda x: _constrain(x, mesh, seq_spec), info)
-    out = jax.shard_map(
+    out, lse = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=seq_spec,
+        out_specs=(seq_spec, seq_spec),
         check_vma=False,
     )(q3, k3, v3, info, mask, score_mod)
+    if sinks is not None:
+        out = apply_sinks(out, lse, sinks).astype(q.dtype)
     if layout is None:
+        # Back to the original order; on Explicit axes the gather needs the sequence
+        # axis whole first.
+        out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
         if lay.batch_shape:
             out = jax.vmap(Layout.unshard)(lay, out)
         else:

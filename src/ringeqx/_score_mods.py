@@ -3,7 +3,9 @@
 import abc
 
 import equinox as eqx
-from jaxtyping import Array, Float
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._tokens import TokenInfo
 
@@ -13,8 +15,16 @@ class AbstractScoreMod(eqx.Module):
 
     Kernels apply it tile by tile, forward and backward (the backward differentiates
     through it with `jax.vjp`), so any smooth elementwise function of the logit, the
-    positions and the head index is exact under the ring. The modifier's own array fields
-    are not trained through the ring (they are treated as constants).
+    positions and the head index is exact under the ring. Masked pairs are removed after
+    the modifier, so it never needs to mask itself.
+
+    The modifier's own array fields (a cap, ALiBi slopes) are constants to the ring: the
+    gradient of `ring_attention` with respect to them is zero. Attention sinks, which are
+    trained, are not a score modifier but the `sinks=` argument of
+    [`ringeqx.ring_attention`][], which differentiates them exactly.
+
+    Subclass it to write your own (implement `__call__` and `for_head`); combine several
+    with [`ringeqx.Chain`][].
     """
 
     @abc.abstractmethod
@@ -33,3 +43,180 @@ class AbstractScoreMod(eqx.Module):
         - `q`, `k`: token records broadcastable against `scores` (shapes
             `[*batch, 1, q, 1]` and `[*batch, 1, 1, k]`).
         """
+
+    @abc.abstractmethod
+    def for_head(self, head: Int[Array, ""]) -> "AbstractScoreMod":
+        """This modifier as seen by query head `head` alone.
+
+        Pallas kernels run one head per program and call the result on scores whose
+        heads axis has size 1 (`[1, 1, block_q, block_kv]`). A modifier without per-head
+        parameters returns `self`; one with them (ALiBi slopes `[heads]`) returns a copy
+        holding that head's slice, kept with a heads axis of size 1 (`slopes[head][None]`,
+        with `head` a traced int32 scalar).
+        """
+
+
+def _lift(x: Array, ndim: int) -> Array:
+    """Prepend unit axes so that `x` has `ndim` axes (the tests forbid implicit rank
+    promotion, and records may carry fewer batch axes than the scores)."""
+    return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+
+
+class Softcap(AbstractScoreMod):
+    r"""Logit soft-capping: $s \mapsto \text{cap} \cdot \tanh(s / \text{cap})$ (Gemma 2, Grok).
+
+    Applied to the scaled logits, before masking.
+
+    **Arguments:**
+
+    - `cap`: the cap, > 0 (a float or a float32 scalar array; a leaf, so new values do not
+        recompile).
+    """
+
+    cap: Float[ArrayLike, ""]
+
+    def __check_init__(self):
+        if isinstance(self.cap, (int, float)) and not self.cap > 0:
+            raise ValueError(f"Softcap `cap` must be > 0; got {self.cap!r}.")
+
+    def __call__(
+        self,
+        scores: Float[Array, "*batch heads q k"],
+        q: TokenInfo,
+        k: TokenInfo,
+    ) -> Float[Array, "*batch heads q k"]:
+        cap = jnp.asarray(self.cap, scores.dtype)
+        return cap * jnp.tanh(scores / cap)
+
+    def for_head(self, head: Int[Array, ""]) -> "Softcap":
+        return self
+
+
+class ALiBi(AbstractScoreMod):
+    r"""Attention with linear biases: $s_{hij} \mapsto s_{hij} - m_h\,|i - j|$.
+
+    $i$ and $j$ are the original positions of the query and the key, so the bias is exact
+    under every sharding strategy. On causal pairs this is the usual ALiBi
+    ($m_h (j - i)$); the absolute value makes it symmetric for bidirectional masks.
+
+    **Arguments:**
+
+    - `slopes`: `float[heads]`, one slope per query head (the paper uses
+        $m_h = 2^{-8 (h + 1) / \text{heads}}$). Its length must equal the number of query
+        heads. The slopes are constants to the ring (not trained through it).
+
+    ??? cite "ALiBi"
+
+        ```bibtex
+        @inproceedings{press2022train,
+          title={Train Short, Test Long: Attention with Linear Biases Enables Input Length
+                 Extrapolation},
+          author={Press, Ofir and Smith, Noah A. and Lewis, Mike},
+          booktitle={ICLR},
+          year={2022}
+        }
+        ```
+    """
+
+    slopes: Float[Array, " heads"]
+
+    def __check_init__(self):
+        shape = jnp.shape(self.slopes)
+        if len(shape) != 1:
+            raise ValueError(f"ALiBi `slopes` must be 1-D [heads]; got shape {shape}.")
+
+    def __call__(
+        self,
+        scores: Float[Array, "*batch heads q k"],
+        q: TokenInfo,
+        k: TokenInfo,
+    ) -> Float[Array, "*batch heads q k"]:
+        heads = scores.shape[-3]
+        check_score_mod(self, heads)
+        n = scores.ndim
+        dist = jnp.abs(q.positions - k.positions).astype(scores.dtype)
+        slopes = self.slopes.astype(scores.dtype).reshape(heads, 1, 1)
+        return scores - _lift(slopes, n) * _lift(dist, n)
+
+    def for_head(self, head: Int[Array, ""]) -> "ALiBi":
+        return ALiBi(jax.lax.dynamic_slice_in_dim(self.slopes, head, 1))
+
+
+class Chain(AbstractScoreMod):
+    """Several modifiers applied in order: `Chain(a, b)(s) = b(a(s))`.
+
+    **Example:** ALiBi, then a soft cap:
+    `ringeqx.Chain(ringeqx.ALiBi(slopes), ringeqx.Softcap(30.0))`.
+    """
+
+    mods: tuple[AbstractScoreMod, ...]
+
+    def __init__(self, *mods: AbstractScoreMod):
+        for i, mod in enumerate(mods):
+            if not isinstance(mod, AbstractScoreMod):
+                raise TypeError(
+                    f"Chain arguments must be AbstractScoreMod instances; argument {i} is "
+                    f"{type(mod).__name__}."
+                )
+        self.mods = tuple(mods)
+
+    def __call__(
+        self,
+        scores: Float[Array, "*batch heads q k"],
+        q: TokenInfo,
+        k: TokenInfo,
+    ) -> Float[Array, "*batch heads q k"]:
+        for mod in self.mods:
+            scores = mod(scores, q, k)
+        return scores
+
+    def for_head(self, head: Int[Array, ""]) -> "Chain":
+        return Chain(*(mod.for_head(head) for mod in self.mods))
+
+
+def check_score_mod(score_mod: AbstractScoreMod | None, heads: int) -> None:
+    """Trace-time checks of a modifier against the number of query heads."""
+    match score_mod:
+        case ALiBi():
+            got = score_mod.slopes.shape[0]
+            if got != heads:
+                raise ValueError(
+                    f"ALiBi `slopes` must have one entry per query head ({heads}); got {got}."
+                )
+        case Chain():
+            for mod in score_mod.mods:
+                check_score_mod(mod, heads)
+        case _:
+            pass
+
+
+def check_sinks(sinks, heads: int) -> None:
+    """Trace-time checks of attention-sink logits against the number of query heads."""
+    if sinks is None:
+        return
+    shape, dtype = jnp.shape(sinks), jnp.result_type(sinks)
+    if shape != (heads,):
+        raise ValueError(
+            f"`sinks` must have shape [heads] = {(heads,)} (one logit per query head); got "
+            f"shape {shape}."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`sinks` must be a floating array; got dtype {dtype}.")
+
+
+def apply_sinks(
+    out: Float[Array, "*batch seq heads head_dim"],
+    lse: Float[Array, "*batch seq heads"],
+    sinks: Float[Array, " heads"],
+) -> Float[Array, "*batch seq heads head_dim"]:
+    r"""Add one sink logit per head to every row's softmax denominator.
+
+    With the row's log-sum-exp $\ell$ over its keys and the sink $z_h$,
+    $\operatorname{out}' = \operatorname{out}\, e^{\ell - \operatorname{logaddexp}(\ell, z_h)}$:
+    exactly softmax attention over the keys plus one extra key of logit $z_h$ and value 0.
+    Rows that see no key stay zero. Differentiable in `out`, `lse` and `sinks`.
+    """
+    lse = lse.astype(jnp.float32)
+    z = _lift(sinks.astype(jnp.float32), lse.ndim)
+    # Rows with lse = -inf: exp(-inf - z) = 0 and out = 0; no NaN in either direction.
+    return out * jnp.exp(lse - jnp.logaddexp(lse, z))[..., None]

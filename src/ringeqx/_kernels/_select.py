@@ -1,23 +1,165 @@
-"""Resolve the `kernel=` argument of `ring_attention` to a kernel object."""
+"""Resolve the `kernel=` and `device_type=` arguments to a kernel object."""
 
 from typing import Literal
 
+import jax
+
 from ._base import AbstractAttentionKernel
+from ._pallas_gpu import PallasGpuKernel
+from ._pallas_tpu import PallasTpuKernel
 from ._xla import XlaKernel
 
 
-KernelName = Literal["auto", "xla"]
+KernelName = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
+DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
+
+# Default tiles `(block_q, block_kv)` per kernel and device. XLA and Mosaic want big
+# tiles (fewer loop steps; a TPU tile of 512 x 1024 float32 scores is 2 MiB of VMEM).
+# A Triton program keeps its tile of scores in registers, so 128 x 64 is its size.
+_BLOCKS = {
+    ("xla", "cpu"): (512, 512),
+    ("xla", "gpu"): (512, 1024),
+    ("xla", "tpu"): (512, 1024),
+    ("pallas_gpu", "gpu"): (128, 64),
+    ("pallas_tpu", "tpu"): (512, 1024),
+}
 
 
-def select_kernel(kernel: KernelName | AbstractAttentionKernel) -> AbstractAttentionKernel:
-    """Return the kernel object for `kernel` (a name or an `AbstractAttentionKernel`)."""
-    if isinstance(kernel, AbstractAttentionKernel):
-        return kernel
-    match kernel:
-        case "auto" | "xla":
-            return XlaKernel()
+def resolve_device_type(device_type: DeviceType) -> Literal["cpu", "gpu", "tpu"]:
+    """`"auto"` -> the platform of JAX's default backend; other names unchanged."""
+    match device_type:
+        case "auto":
+            platform = jax.default_backend()
+            match platform:
+                case "cpu":
+                    return "cpu"
+                case "gpu" | "cuda" | "rocm":
+                    return "gpu"
+                case "tpu":
+                    return "tpu"
+                case _:
+                    raise ValueError(
+                        f"device_type='auto' found JAX backend {platform!r}, which "
+                        "ringeqx has no kernel for; pass device_type='cpu', 'gpu' or "
+                        "'tpu' with an explicit kernel."
+                    )
+        case "cpu" | "gpu" | "tpu":
+            return device_type
         case _:
             raise ValueError(
-                "`kernel` must be 'auto', 'xla' or an AbstractAttentionKernel; "
-                f"got {kernel!r}."
+                "`device_type` must be 'auto', 'cpu', 'gpu' or 'tpu'; got "
+                f"{device_type!r}."
+            )
+
+
+def _has_devices(device: str) -> bool:
+    try:
+        return len(jax.devices(device)) > 0
+    except RuntimeError:
+        return False
+
+
+def _check_object(kernel: AbstractAttentionKernel, device: str) -> None:
+    match kernel:
+        case PallasGpuKernel(interpret=False) if device != "gpu":
+            raise ValueError(
+                f"PallasGpuKernel runs on GPUs, not on device_type={device!r}; pass "
+                "PallasGpuKernel(interpret=True) to run it in the Pallas interpreter."
+            )
+        case PallasTpuKernel(interpret=False) if device != "tpu":
+            raise ValueError(
+                f"PallasTpuKernel runs on TPUs, not on device_type={device!r}; pass "
+                "PallasTpuKernel(interpret=True) to run it in the Pallas interpreter."
+            )
+        case _:
+            pass
+
+
+def _pallas_device(name: str, needs: str, device: str, interpret: bool) -> None:
+    if device != needs and not interpret:
+        raise ValueError(
+            f"kernel={name!r} needs device_type={needs!r}; got device_type={device!r}. "
+            "Pass interpret=True to run it in the Pallas interpreter."
+        )
+
+
+def select_kernel(
+    kernel: KernelName | AbstractAttentionKernel = "auto",
+    device_type: DeviceType = "auto",
+    *,
+    interpret: bool = False,
+) -> AbstractAttentionKernel:
+    """The per-device attention kernel for `kernel` on `device_type`.
+
+    | `kernel`       | cpu         | gpu               | tpu               |
+    |----------------|-------------|-------------------|-------------------|
+    | `"auto"`       | `XlaKernel` | `PallasGpuKernel` | `PallasTpuKernel` |
+    | `"xla"`        | `XlaKernel` | `XlaKernel`       | `XlaKernel`       |
+    | `"pallas_gpu"` | interpret   | `PallasGpuKernel` | interpret         |
+    | `"pallas_tpu"` | interpret   | interpret         | `PallasTpuKernel` |
+
+    Kernels chosen by name get the default tiles of their device (512 x 512 for XLA on
+    the CPU, 512 x 1024 for XLA and Mosaic on accelerators, 128 x 64 for Triton, whose
+    score tile lives in registers); [`ringeqx.tune_block_sizes`][] measures better ones.
+    Nothing falls back silently: a device that JAX does not have, or a Pallas kernel
+    away from its device without `interpret=True`, is an error. What a kernel cannot run
+    (a dtype, a head_dim) is an error when it is traced.
+
+    **Arguments:**
+
+    - `kernel`: a name from the table or an [`ringeqx.AbstractAttentionKernel`][]
+        (returned as it is, after checking that it can run on `device_type`).
+    - `device_type`: `"auto"` (the platform of JAX's default backend), `"cpu"`,
+        `"gpu"` or `"tpu"`.
+    - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter, on any
+        backend (for tests on the CPU; slow). Then `device_type` need not be present.
+
+    **Returns:** an `AbstractAttentionKernel`.
+
+    **Example:**
+
+    ```python
+    kernel = ringeqx.select_kernel("auto", "gpu", interpret=True)  # PallasGpuKernel
+    ```
+    """
+    device = resolve_device_type(device_type)
+    if device_type != "auto" and not interpret and not _has_devices(device):
+        raise ValueError(
+            f"device_type={device_type!r} but JAX has no {device} devices (its backend "
+            f"is {jax.default_backend()!r}); use device_type='auto', or pass "
+            "interpret=True to run that device's Pallas kernel in the interpreter."
+        )
+    if isinstance(kernel, AbstractAttentionKernel):
+        _check_object(kernel, device)
+        return kernel
+    match kernel:
+        case "auto":
+            match device:
+                case "cpu":
+                    return select_kernel("xla", device, interpret=interpret)
+                case "gpu":
+                    return select_kernel("pallas_gpu", device, interpret=interpret)
+                case "tpu":
+                    return select_kernel("pallas_tpu", device, interpret=interpret)
+                case _:
+                    raise AssertionError(device)
+        case "xla":
+            block_q, block_kv = _BLOCKS["xla", device]
+            return XlaKernel(block_q=block_q, block_kv=block_kv)
+        case "pallas_gpu":
+            _pallas_device(kernel, "gpu", device, interpret)
+            block_q, block_kv = _BLOCKS["pallas_gpu", "gpu"]
+            return PallasGpuKernel(
+                block_q=block_q, block_kv=block_kv, interpret=interpret
+            )
+        case "pallas_tpu":
+            _pallas_device(kernel, "tpu", device, interpret)
+            block_q, block_kv = _BLOCKS["pallas_tpu", "tpu"]
+            return PallasTpuKernel(
+                block_q=block_q, block_kv=block_kv, interpret=interpret
+            )
+        case _:
+            raise ValueError(
+                "`kernel` must be 'auto', 'xla', 'pallas_gpu', 'pallas_tpu' or an "
+                f"AbstractAttentionKernel; got {kernel!r}."
             )

@@ -6,6 +6,8 @@ import equinox as eqx
 from jaxtyping import Array, Int
 
 from .._layout import Layout
+from .._masks import AbstractMask
+from .._schedule import Schedule, schedule
 
 
 class AbstractShardingStrategy(eqx.Module):
@@ -40,3 +42,15 @@ class AbstractShardingStrategy(eqx.Module):
 
         **Returns:** a `Layout` with `num_shards` shards.
         """
+
+    def schedule(
+        self,
+        layout: Layout,
+        mask: AbstractMask,
+        *,
+        block_q: int = 512,
+        block_kv: int = 512,
+    ) -> Schedule:
+        """The work per device per ring step of `layout` under `mask`: the same as
+        [`ringeqx.schedule`][] (defined once here; subclasses do not override it)."""
+        return schedule(layout, mask, block_q=block_q, block_kv=block_kv)

@@ -7,7 +7,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._comm import RingConfig
 from .._kernels._base import AbstractAttentionKernel
-from .._kernels._select import select_kernel
+from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout import Layout
 from .._masks import AbstractMask, Causal
 from .._ring import ring_attention
@@ -36,7 +36,8 @@ class RingAttention(eqx.Module):
     - `mask`: an [`ringeqx.AbstractMask`][] (default `Causal()`).
     - `score_mod`: an optional score modifier.
     - `rope_theta`: base of rotary embeddings, or None for none.
-    - `kernel`: kernel name or object (see [`ringeqx.ring_attention`][]).
+    - `kernel`, `device_type`, `interpret`: the per-device kernel, resolved once here (see
+        [`ringeqx.ring_attention`][]); an unsupported choice raises at construction.
     - `config`: a [`ringeqx.RingConfig`][].
     - `axis_name`: the ring's mesh axis.
     - `use_bias`: whether the projections have biases.
@@ -67,7 +68,9 @@ class RingAttention(eqx.Module):
         mask: AbstractMask | None = None,
         score_mod: AbstractScoreMod | None = None,
         rope_theta: float | None = 10000.0,
-        kernel="auto",
+        kernel: KernelName | AbstractAttentionKernel = "auto",
+        device_type: DeviceType = "auto",
+        interpret: bool = False,
         config: RingConfig | None = None,
         axis_name: str = "sequence",
         use_bias: bool = False,
@@ -97,7 +100,7 @@ class RingAttention(eqx.Module):
         self.output_proj = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, key=ko)
         self.mask = Causal() if mask is None else mask
         self.score_mod = score_mod
-        self.kernel = select_kernel(kernel)
+        self.kernel = select_kernel(kernel, device_type, interpret=interpret)
         self.config = RingConfig() if config is None else config
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -1,0 +1,334 @@
+"""Check ringeqx's per-device kernels on a GPU: correctness at real sizes, then TFLOP/s.
+
+On a GPU this
+
+1. runs the kernel contract at real sizes: every kernel's `out`, `lse` and gradients
+   against a dense float32 answer, for several masks, GQA 4:1, head_dim 64 and 128,
+   bfloat16 (4K tokens; the dense answer needs the full score matrix);
+2. times each kernel's forward and forward+backward on one device, for 8K and 32K
+   tokens, bfloat16, head_dim 64 and 128, causal and not, next to
+   `jax.nn.dot_product_attention` (cuDNN where JAX has it), and prints TFLOP/s.
+
+Without a GPU (or with `--tiny`) it runs the same code at a tiny size on the CPU, with
+the Pallas kernels in the interpreter; CI runs that.
+
+```
+python benchmarks/gpu_check.py           # real sizes on a GPU, tiny elsewhere
+python benchmarks/gpu_check.py --tiny    # tiny sizes, interpreter, any machine
+```
+
+FLOPs follow the Flash Attention convention: forward `4 * batch * heads * q_len *
+kv_len * head_dim` (halved when causal), forward+backward 3.5 times that. The exit
+status is 1 if a kernel failed a check or could not run, so CI notices.
+"""
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ringeqx as rx
+
+
+def records(batch: int, length: int, doc: int) -> rx.TokenInfo:
+    """Positions 0..length-1, documents of `doc` tokens, no spans."""
+    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return rx.TokenInfo(pos, pos // doc, jnp.full_like(pos, -1), pos >= 0)
+
+
+def problem(key, batch, heads, kv_heads, length, head_dim, dtype):
+    """Heads-major q, k, v and an output cotangent."""
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, heads, length, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, kv_heads, length, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, kv_heads, length, head_dim), dtype)
+    d_out = jax.random.normal(kd, q.shape, dtype)
+    return q, k, v, d_out
+
+
+def kernel_fns(kernel, info, mask):
+    """Jitted `forward` and `forward + backward` of one ring step with `kernel`."""
+
+    def forward(q, k, v):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return kernel.forward(q, k, v, info, info, mask, None, scale)
+
+    def forward_backward(q, k, v, d_out):
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = kernel.forward(q, k, v, info, info, mask, None, scale)
+        delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+        grads = kernel.backward(
+            q, k, v, lse, delta, d_out, info, info, mask, None, scale
+        )
+        return out, lse, grads
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
+def dense(q, k, v, d_out, info, mask):
+    """Float32 dense `(out, lse, grads)`, heads-major (the reference)."""
+    g = q.shape[1] // k.shape[1]
+    qi = jax.tree.map(lambda x: x[:, None, :, None], info)
+    ki = jax.tree.map(lambda x: x[:, None, None, :], info)
+    ok = mask.allows(qi, ki) & qi.valid & ki.valid
+
+    def attend(q, k, v):
+        k, v = (jnp.repeat(x, g, axis=1) for x in (k, v))
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        s = jnp.where(ok, s, -jnp.inf)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        safe = jnp.where(jnp.isinf(lse), 0.0, lse)[..., None]
+        p = jnp.where(ok, jnp.exp(s - safe), 0.0)
+        return jnp.einsum("bhqk,bhkd->bhqd", p, v), lse
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (out, lse), vjp = jax.vjp(attend, *f32)
+    grads = vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))
+    return out, lse, grads
+
+
+def rel_error(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isfinite(got), finite):
+        return math.inf
+    scale = max(float(np.abs(want[finite]).max(initial=0.0)), 1e-6)
+    return float(np.abs(got[finite] - want[finite]).max(initial=0.0)) / scale
+
+
+def dpa_fns(causal: bool, implementation: str | None):
+    """`jax.nn.dot_product_attention` (BTNH) forward and forward+backward."""
+
+    def forward(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation
+        )
+
+    def forward_backward(q, k, v, d_out):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return out, vjp(d_out)
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
+def seconds(fn, args, repeats: int) -> float:
+    """Median wall time of `fn(*args)` after one compiling call."""
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def attention_flops(batch, heads, length, head_dim, causal: bool) -> float:
+    flops = 4.0 * batch * heads * length * length * head_dim
+    return flops / 2 if causal else flops
+
+
+def pick_dpa_implementation(on_gpu: bool) -> tuple[str | None, str]:
+    """cuDNN where JAX has it for this GPU; XLA otherwise (said so in the output)."""
+    if not on_gpu:
+        return "xla", "xla (no GPU)"
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    try:
+        jax.block_until_ready(
+            jax.jit(
+                lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn")
+            )(q)
+        )
+    except Exception as e:  # noqa: BLE001 - reported, and the baseline says it is XLA
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return "xla", f"xla (cuDNN unavailable: {first[:80]})"
+    return "cudnn", "cudnn"
+
+
+def run_checks(kernels, cfg, failures) -> None:
+    print(
+        f"\n## Kernel contract at {cfg['check_len']} tokens "
+        f"(batch {cfg['batch']}, heads {cfg['heads']}:{cfg['kv_heads']}, "
+        f"{jnp.dtype(cfg['dtype']).name}; relative max error vs dense float32)\n"
+    )
+    length = cfg["check_len"]
+    info = records(cfg["batch"], length, doc=max(length // 3, 1) + 1)
+    masks = {
+        "full": rx.Full(),
+        "causal": rx.Causal(),
+        "causal_document": rx.Causal() & rx.Document(),
+        "sliding_window": rx.SlidingWindow(max(length // 4, 1)),
+    }
+    print(
+        f"| kernel | head_dim | mask | out | lse | dq | dk | dv | ok (< {cfg['tol']}) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for head_dim in cfg["head_dims"]:
+        args = problem(
+            jax.random.key(head_dim),
+            cfg["batch"],
+            cfg["heads"],
+            cfg["kv_heads"],
+            length,
+            head_dim,
+            cfg["dtype"],
+        )
+        for mask_name, mask in masks.items():
+            want = jax.jit(lambda *a, mask=mask: dense(*a, info, mask))(*args)
+            want = (want[0], want[1], *want[2])
+            for name, kernel in kernels.items():
+                try:
+                    _, fwd_bwd = kernel_fns(kernel, info, mask)
+                    out, lse, grads = fwd_bwd(*args)
+                    errs = [rel_error(g, w) for g, w in zip((out, lse, *grads), want)]
+                except Exception as e:  # noqa: BLE001 - reported and counted as failed
+                    failures.append(f"check {name} d{head_dim} {mask_name}: {e!r}")
+                    traceback.print_exc(file=sys.stderr)
+                    error = type(e).__name__
+                    print(f"| {name} | {head_dim} | {mask_name} | error: {error} |")
+                    continue
+                ok = all(e < cfg["tol"] for e in errs)
+                if not ok:
+                    failures.append(f"check {name} d{head_dim} {mask_name}: {errs}")
+                cells = " | ".join(f"{e:.1e}" for e in errs)
+                print(
+                    f"| {name} | {head_dim} | {mask_name} | {cells} | "
+                    f"{'yes' if ok else 'NO'} |"
+                )
+
+
+def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
+    print(
+        f"\n## Speed (one device, batch {cfg['batch']}, heads {cfg['heads']}:"
+        f"{cfg['kv_heads']}, {jnp.dtype(cfg['dtype']).name}; "
+        "fwd+bwd FLOPs = 3.5 x fwd)\n"
+    )
+    print(f"Baseline `jax.nn.dot_product_attention`: {dpa_label}.\n")
+    print(
+        "| tokens | head_dim | causal | kernel | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+        "| fwd+bwd TFLOP/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for length in cfg["lengths"]:
+        info = records(cfg["batch"], length, doc=length)
+        for head_dim in cfg["head_dims"]:
+            q, k, v, d_out = problem(
+                jax.random.key(length + head_dim),
+                cfg["batch"],
+                cfg["heads"],
+                cfg["kv_heads"],
+                length,
+                head_dim,
+                cfg["dtype"],
+            )
+            btnh = [jnp.swapaxes(x, 1, 2) for x in (q, k, v, d_out)]
+            for causal in (False, True):
+                mask = rx.Causal() if causal else rx.Full()
+                flops = attention_flops(
+                    cfg["batch"], cfg["heads"], length, head_dim, causal
+                )
+                rows = {
+                    name: (kernel_fns(kernel, info, mask), (q, k, v), (q, k, v, d_out))
+                    for name, kernel in kernels.items()
+                }
+                rows[f"dot_product_attention[{dpa_impl}]"] = (
+                    dpa_fns(causal, dpa_impl),
+                    tuple(btnh[:3]),
+                    tuple(btnh),
+                )
+                for name, ((fwd, fwd_bwd), fwd_args, bwd_args) in rows.items():
+                    try:
+                        t_f = seconds(fwd, fwd_args, cfg["repeats"])
+                        t_fb = seconds(fwd_bwd, bwd_args, cfg["repeats"])
+                    except Exception as e:  # noqa: BLE001 - reported and counted
+                        failures.append(f"bench {name} {length} d{head_dim}: {e!r}")
+                        traceback.print_exc(file=sys.stderr)
+                        print(
+                            f"| {length} | {head_dim} | {causal} | {name} | "
+                            f"error: {type(e).__name__} | | | |"
+                        )
+                        continue
+                    print(
+                        f"| {length} | {head_dim} | {causal} | {name} | "
+                        f"{1e3 * t_f:.2f} | {flops / t_f / 1e12:.2f} | "
+                        f"{1e3 * t_fb:.2f} | {3.5 * flops / t_fb / 1e12:.2f} |"
+                    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny sizes, Pallas kernels interpreted (the default without a GPU)",
+    )
+    parser.add_argument("--skip-checks", action="store_true", help="only time")
+    parser.add_argument("--skip-bench", action="store_true", help="only check")
+    args = parser.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    tiny = args.tiny or not on_gpu
+    device = jax.devices()[0]
+    print(f"# ringeqx gpu_check on {device.platform} ({device.device_kind})")
+    print(
+        f"jax {jax.__version__}, ringeqx {rx.__version__}, mode: "
+        f"{'tiny, Pallas interpreter' if tiny else 'real sizes, compiled'}"
+    )
+    if tiny:
+        cfg = dict(
+            batch=1,
+            heads=4,
+            kv_heads=1,
+            dtype=jnp.bfloat16,
+            head_dims=(64,),
+            check_len=160,
+            lengths=(256,),
+            repeats=1,
+            tol=3e-2,
+        )
+        kernels = {
+            "xla": rx.XlaKernel(block_q=64, block_kv=64),
+            "pallas_gpu": rx.PallasGpuKernel(block_q=64, block_kv=64, interpret=True),
+            "pallas_tpu": rx.PallasTpuKernel(block_q=64, block_kv=128, interpret=True),
+        }
+    else:
+        cfg = dict(
+            batch=1,
+            heads=16,
+            kv_heads=4,
+            dtype=jnp.bfloat16,
+            head_dims=(64, 128),
+            check_len=4096,
+            lengths=(8192, 32768),
+            repeats=5,
+            tol=3e-2,
+        )
+        kernels = {
+            "xla": rx.select_kernel("xla", "gpu"),
+            "pallas_gpu": rx.select_kernel("pallas_gpu", "gpu"),
+        }
+    for name, kernel in kernels.items():
+        print(f"- {name}: {kernel}")
+    dpa_impl, dpa_label = pick_dpa_implementation(on_gpu and not tiny)
+
+    failures: list[str] = []
+    if not args.skip_checks:
+        run_checks(kernels, cfg, failures)
+    if not args.skip_bench:
+        run_bench(kernels, cfg, dpa_impl, dpa_label, failures)
+    if failures:
+        print(f"\n{len(failures)} failure(s):")
+        for f in failures:
+            print(f"- {f}")
+        return 1
+    print("\nAll checks passed.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

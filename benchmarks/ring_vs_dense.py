@@ -1,0 +1,382 @@
+"""ringeqx against the original `ringattention` package and dense attention.
+
+Run: `python benchmarks/ring_vs_dense.py` (or `nox -s bench`). On CPU it fakes
+`--devices` devices; the defaults are the foundation issue's benchmark (N = 8192 tokens,
+4 heads, head_dim 64, float32, 8 devices, full and causal masks). It prints a Markdown
+report:
+
+- forward and forward+backward median times of ringeqx, of `ringattention` (0.1.2, its
+  blockwise JAX implementation inside `jax.shard_map`) and of
+  `jax.nn.dot_product_attention` on one device;
+- per-device temp memory (`memory_analysis()`) of the compiled forward+backward of both
+  ring implementations, and of ringeqx at 2N;
+- model FLOPs (`4 N^2 H D` for the full forward, half for causal), the forward FLOP rate
+  and a same-run 4096 x 4096 float32 matmul rate;
+- the target ratios, each with PASS/MISS;
+- first, the max abs difference between ringeqx and ringattention (and dense) at a small
+  size, which shows that ringattention is called correctly.
+
+Both ring implementations take the sequence sharded over the ring and return it sharded:
+ringeqx is called with `layout=Uniform().layout(...)`, so it does not gather the output.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument(
+        "--reps", type=int, default=3, help="timed repetitions (median)"
+    )
+    parser.add_argument("--block-q", type=int, default=None, help="XlaKernel block_q")
+    parser.add_argument("--block-kv", type=int, default=None, help="XlaKernel block_kv")
+    parser.add_argument(
+        "--chunk", type=int, default=512, help="ringattention query/key chunk size"
+    )
+    parser.add_argument(
+        "--check-len", type=int, default=1024, help="tokens for the numerical check"
+    )
+    parser.add_argument(
+        "--skip-dense", action="store_true", help="skip jax.nn.dot_product_attention"
+    )
+    parser.add_argument(
+        "--skip-2n", action="store_true", help="skip the ringeqx 2N memory compile"
+    )
+    return parser.parse_args(argv)
+
+
+ARGS = _parse(sys.argv[1:])
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}={ARGS.devices}"
+    ).strip()
+
+import jax  # noqa: E402
+import jax._src.xla_bridge  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+
+
+# ringattention 0.1.2 reads `jax.lib.xla_bridge`, which JAX >= 0.8 no longer has.
+jax.lib.xla_bridge = jax._src.xla_bridge  # type: ignore[attr-defined]
+
+import ringattention  # noqa: E402
+
+import ringeqx as rx  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def ringattention_fn(mesh, causal: bool, chunk: int):
+    """`(q, k, v) -> out` with ringattention's blockwise JAX ring, in a shard_map."""
+    blockwise_kwargs = dict(
+        causal_block_size=1 if causal else None,
+        query_chunk_size=chunk,
+        key_chunk_size=chunk,
+        deterministic=True,
+        dropout_rng=None,
+        attn_pdrop=0.0,
+        dtype=jnp.float32,
+        policy=jax.checkpoint_policies.nothing_saveable,
+        precision=None,
+        prevent_cse=True,
+    )
+
+    def local(q, k, v):
+        # (q, k, v, attn_bias, segment_ids, cache_idx, axis_name, float32_logits,
+        #  blockwise_kwargs)
+        return ringattention.ringattention_jax(
+            q, k, v, None, None, None, "sequence", True, blockwise_kwargs
+        )
+
+    spec = PartitionSpec(None, "sequence")
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )
+
+
+def ringeqx_fn(mesh, causal: bool, seq_len: int, kernel):
+    layout = rx.Uniform().layout(seq_len, mesh.shape["sequence"])
+    mask = rx.Causal() if causal else rx.Full()
+
+    def run(q, k, v):
+        return rx.ring_attention(q, k, v, mask=mask, layout=layout, kernel=kernel)
+
+    return run
+
+
+def dense_fn(causal: bool):
+    def run(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"
+        )
+
+    return run
+
+
+def forward_backward(fn):
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    return run
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def inputs(key, seq_len: int, heads: int, head_dim: int, sharding):
+    shape = (1, seq_len, heads, head_dim)
+    keys = jax.random.split(key, 4)
+    return tuple(
+        jax.device_put(jax.random.normal(k, shape, jnp.float32), sharding) for k in keys
+    )
+
+
+def compile_(fn, *args, mesh=None):
+    if mesh is None:
+        return jax.jit(fn).lower(*args).compile()
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*args).compile()
+
+
+def median_time(compiled, *args, reps: int) -> float:
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def temp_mib(compiled) -> float:
+    stats = compiled.memory_analysis()
+    return float("nan") if stats is None else stats.temp_size_in_bytes / 2**20
+
+
+def max_diff(a, b) -> float:
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(a, b)
+    )
+
+
+def matmul_rate(reps: int) -> float:
+    """FLOP/s of a 4096 x 4096 float32 matmul on one device."""
+    n = 4096
+    a, b = (
+        jax.device_put(jax.random.normal(k, (n, n), jnp.float32), jax.devices()[0])
+        for k in jax.random.split(jax.random.key(7))
+    )
+    compiled = jax.jit(jnp.matmul).lower(a, b).compile()
+    return 2 * n**3 / median_time(compiled, a, b, reps=reps)
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def check(mesh, kernel, args) -> list[str]:
+    """Max abs differences at a small size: ringeqx vs ringattention vs dense."""
+    n = args.check_len
+    chunk = min(args.chunk, n // mesh.shape["sequence"])
+    seq = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    q, k, v, d_out = inputs(jax.random.key(1), n, args.heads, args.head_dim, seq)
+    host = tuple(np.asarray(x) for x in (q, k, v, d_out))
+    lines = [
+        f"Numerical check at N={n} (ringattention chunk {chunk}), output and q/k/v "
+        "gradients:",
+        "",
+        "| mask | max abs diff ringeqx vs ringattention | ringeqx vs dense | "
+        "ringattention vs dense |",
+        "|---|---|---|---|",
+    ]
+    for causal in (False, True):
+        with jax.set_mesh(mesh):
+            ours = jax.jit(forward_backward(ringeqx_fn(mesh, causal, n, kernel)))(
+                q, k, v, d_out
+            )
+            theirs = jax.jit(forward_backward(ringattention_fn(mesh, causal, chunk)))(
+                q, k, v, d_out
+            )
+        dense = jax.jit(forward_backward(dense_fn(causal)))(*host)
+        lines.append(
+            f"| {'causal' if causal else 'full'} | {max_diff(ours, theirs):.2e} | "
+            f"{max_diff(ours, dense):.2e} | {max_diff(theirs, dense):.2e} |"
+        )
+    return lines
+
+
+def main(args) -> int:
+    num_devices = len(jax.devices())
+    if num_devices < args.devices:
+        raise SystemExit(
+            f"Need {args.devices} devices; JAX sees {num_devices} (XLA_FLAGS was set "
+            "before this script?)."
+        )
+    devices = np.asarray(jax.devices()[: args.devices])
+    mesh = jax.sharding.Mesh(devices, ("sequence",), axis_types=(AxisType.Auto,))
+    kernel_kwargs = {}
+    if args.block_q is not None:
+        kernel_kwargs["block_q"] = args.block_q
+    if args.block_kv is not None:
+        kernel_kwargs["block_kv"] = args.block_kv
+    kernel = rx.XlaKernel(**kernel_kwargs)
+    n, h, d, reps = args.seq_len, args.heads, args.head_dim, args.reps
+    platform = devices.flat[0].platform
+    # ringattention needs chunks that divide the per-device length.
+    chunk = min(args.chunk, n // args.devices)
+
+    log("numerical check ...")
+    report = check(mesh, kernel, args)
+
+    log("matmul rate ...")
+    mm_rate = matmul_rate(reps)
+
+    seq = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    q, k, v, d_out = inputs(jax.random.key(0), n, h, d, seq)
+    full_flops = 4.0 * n * n * h * d
+    rows = {}
+    for causal in (False, True):
+        mask = "causal" if causal else "full"
+        candidates = [
+            ("ringeqx", ringeqx_fn(mesh, causal, n, kernel)),
+            ("ringattention", ringattention_fn(mesh, causal, chunk)),
+        ]
+        for name, fn in candidates:
+            log(f"{name} {mask} ...")
+            fwd = compile_(fn, q, k, v, mesh=mesh)
+            both = compile_(forward_backward(fn), q, k, v, d_out, mesh=mesh)
+            rows[name, mask] = dict(
+                fwd=median_time(fwd, q, k, v, reps=reps),
+                both=median_time(both, q, k, v, d_out, reps=reps),
+                temp=temp_mib(both),
+            )
+            del fwd, both
+        if not args.skip_dense:
+            log(f"dense {mask} ...")
+            one = jax.devices()[0]
+            dq, dk, dv, ddo = (jax.device_put(x, one) for x in (q, k, v, d_out))
+            fwd = compile_(dense_fn(causal), dq, dk, dv)
+            both = compile_(forward_backward(dense_fn(causal)), dq, dk, dv, ddo)
+            rows["dense (1 device)", mask] = dict(
+                fwd=median_time(fwd, dq, dk, dv, reps=reps),
+                both=median_time(both, dq, dk, dv, ddo, reps=reps),
+                temp=temp_mib(both),
+            )
+            del fwd, both, dq, dk, dv, ddo
+
+    temp_2n = float("nan")
+    if not args.skip_2n:
+        log("ringeqx 2N memory ...")
+        q2, k2, v2, d2 = (
+            jax.ShapeDtypeStruct((1, 2 * n, h, d), jnp.float32, sharding=seq)
+            for _ in range(4)
+        )
+        both_2n = compile_(
+            forward_backward(ringeqx_fn(mesh, False, 2 * n, kernel)),
+            q2,
+            k2,
+            v2,
+            d2,
+            mesh=mesh,
+        )
+        temp_2n = temp_mib(both_2n)
+
+    blocks = f"block_q={kernel.block_q}, block_kv={kernel.block_kv}"
+    report = [
+        f"## ring_vs_dense: N={n}, heads={h}, head_dim={d}, float32, batch 1, "
+        f"{args.devices} {platform} devices",
+        "",
+        f"JAX {jax.__version__}, ringeqx {rx.__version__} (XlaKernel {blocks}), "
+        f"ringattention 0.1.2 (chunks {chunk}), median of {reps} after a warm-up; "
+        f"{os.cpu_count()} CPU cores.",
+        "",
+        *report,
+        "",
+        "| implementation | mask | forward s | fwd+bwd s | model GFLOP "
+        "| forward GFLOP/s | temp MiB/device (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (name, mask), r in rows.items():
+        flops = full_flops / (2 if mask == "causal" else 1)
+        report.append(
+            f"| {name} | {mask} | {r['fwd']:.3f} | {r['both']:.3f} "
+            f"| {flops / 1e9:.1f} | {flops / r['fwd'] / 1e9:.1f} | {r['temp']:.1f} |"
+        )
+    report += [
+        "",
+        f"4096 x 4096 float32 matmul on one device: {mm_rate / 1e9:.1f} GFLOP/s.",
+        f"ringeqx temp memory per device, full mask fwd+bwd: N={n}: "
+        f"{rows['ringeqx', 'full']['temp']:.1f} MiB, 2N={2 * n}: {temp_2n:.1f} MiB.",
+        "",
+    ]
+
+    ours_full, ours_causal = rows["ringeqx", "full"], rows["ringeqx", "causal"]
+    theirs_full, theirs_causal = (
+        rows["ringattention", "full"],
+        rows["ringattention", "causal"],
+    )
+    targets = [
+        (
+            "fwd+bwd time, full: ringeqx / ringattention",
+            ours_full["both"] / theirs_full["both"],
+            "<=",
+            0.5,
+        ),
+        (
+            "fwd+bwd time, causal: ringeqx / ringattention",
+            ours_causal["both"] / theirs_causal["both"],
+            "<=",
+            0.4,
+        ),
+        (
+            "fwd+bwd time, ringeqx: causal / full",
+            ours_causal["both"] / ours_full["both"],
+            "<=",
+            0.55,
+        ),
+        (
+            "temp memory, full fwd+bwd: ringeqx / ringattention",
+            ours_full["temp"] / theirs_full["temp"],
+            "<=",
+            0.8,
+        ),
+        ("ringeqx temp memory: 2N / N", temp_2n / ours_full["temp"], "<=", 2.2),
+        (
+            "ringeqx full forward FLOP rate / matmul rate",
+            full_flops / ours_full["fwd"] / mm_rate,
+            ">=",
+            0.6,
+        ),
+    ]
+    report += ["| target | value | goal | result |", "|---|---|---|---|"]
+    for name, value, op, goal in targets:
+        met = value <= goal if op == "<=" else value >= goal
+        report.append(
+            f"| {name} | {value:.3f} | {op} {goal} | {'PASS' if met else 'MISS'} |"
+        )
+    print("\n".join(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))

@@ -1,0 +1,107 @@
+"""Developer sessions: `pip install nox`, then `nox -s tests` (or `nox -l` to list).
+
+Arguments after `--` go to the tool a session runs, e.g. `nox -s tests -- -k causal -x`
+or `nox -s demo -- --seq-len 4096`. Each session has its own virtual environment under
+`.nox/`, reused between runs (JAX is a large download); `nox --reuse-venv=no -s NAME`
+rebuilds one.
+"""
+
+from pathlib import Path
+
+import nox
+
+
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests", "lint"]
+
+ROOT = Path(__file__).parent
+
+# Executes each notebook given on the command line headless, in order; the first cell
+# that raises fails the run (nbclient raises CellExecutionError).
+_RUN_NOTEBOOKS = """
+import os, sys, time
+import nbformat
+from nbclient import NotebookClient
+
+for path in sys.argv[1:]:
+    start = time.perf_counter()
+    nb = nbformat.read(path, as_version=4)
+    cwd = os.path.dirname(os.path.abspath(path))  # a notebook runs in its own folder
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": cwd}}
+    ).execute()
+    print(f"{path}: ran without errors in {time.perf_counter() - start:.1f} s")
+"""
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite with pytest.
+
+    Shapes are checked at runtime by jaxtyping + beartype (pyproject's `addopts`).
+    Posargs go to pytest. A run that collects no tests fails (pytest exits 5).
+    """
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Lint: `ruff check` on the code and notebooks, then pyright on `src/`.
+
+    Posargs go to ruff.
+    """
+    session.install("-e", ".", "ruff", "pyright[nodejs]")
+    paths = ["src", "tests", "benchmarks", "notebooks", "noxfile.py"]
+    session.run("ruff", "check", *paths, *session.posargs)
+    session.run("pyright", "src")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run `ringeqx demo`: 16K-token causal ring attention on 8 fake CPU devices.
+
+    Forward and backward of causal GQA attention, timed and checked against dense
+    attention. Posargs go to the demo (`--seq-len`, `--devices`, `--device-type`, ...).
+    """
+    session.install("-e", ".")
+    session.run("ringeqx", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark ringeqx against `ringattention` and dense attention.
+
+    Runs `benchmarks/ring_vs_dense.py`, which prints times, memory and the target
+    ratios. Posargs go to the script (`--reps`, `--block-q`, `--block-kv`, ...).
+    """
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/ring_vs_dense.py", *session.posargs)
+
+
+@nox.session
+def gpu_check(session: nox.Session) -> None:
+    """Run `benchmarks/gpu_check.py` (`nox -s gpu_check -- --tiny` on CPU).
+
+    Posargs go to the script. Skipped where the script does not exist.
+    """
+    script = ROOT / "benchmarks" / "gpu_check.py"
+    if not script.exists():
+        session.skip(f"{script.relative_to(ROOT)} does not exist")
+    session.install("-e", ".")
+    session.run("python", str(script.relative_to(ROOT)), *session.posargs)
+
+
+@nox.session
+def notebooks(session: nox.Session) -> None:
+    """Execute every `notebooks/*.ipynb` headless with nbclient.
+
+    Any cell error fails the session. Posargs select notebooks (paths) instead of all.
+    """
+    session.install("-e", ".[notebooks]")
+    paths = session.posargs or sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb")
+    )
+    if not paths:
+        session.error("No notebooks found in notebooks/.")
+    session.run("python", "-c", _RUN_NOTEBOOKS, *paths)

@@ -1,0 +1,340 @@
+"""The `ringeqx` command line: `ringeqx demo` and `ringeqx bench`.
+
+JAX reads `XLA_FLAGS` once, when its backends start, so this module sets the fake CPU
+device count first and imports JAX (and ringeqx, which imports JAX) only inside the
+functions that run a command.
+"""
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _force_host_devices(count: int) -> bool:
+    """Ask XLA for `count` CPU devices unless the user already chose a count.
+
+    Returns whether the flag was set here. Must run before JAX initialises a backend.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_FLAG in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
+    return True
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _step(index: int, total: int, message: str) -> None:
+    _say(f"[{index}/{total}] {message}")
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def _temp_bytes(compiled: Any) -> int | None:
+    """Per-device scratch memory of a compiled program (None where XLA does not say)."""
+    stats = compiled.memory_analysis()
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def _ring_mesh(num_devices: int, platform: str | None):
+    """A one-axis `("sequence",)` mesh over the first `num_devices` devices.
+
+    Auto axes: `ring_attention` places the shards itself, and plain arrays are accepted.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    try:
+        devices = jax.devices(platform) if platform else jax.devices()
+    except RuntimeError as error:
+        raise SystemExit(f"ringeqx: --device-type={platform}: {error}") from None
+    if len(devices) < num_devices:
+        _say(
+            f"      only {len(devices)} {devices[0].platform} device(s) are visible; "
+            f"using {len(devices)} instead of {num_devices}."
+        )
+        num_devices = len(devices)
+    return Mesh(
+        np.asarray(devices[:num_devices]), ("sequence",), axis_types=(AxisType.Auto,)
+    )
+
+
+def _platform(device_type: str) -> str | None:
+    match device_type:
+        case "auto":
+            return None
+        case "cpu" | "gpu" | "tpu":
+            return device_type
+        case _:
+            raise ValueError(f"Unknown device type {device_type!r}.")
+
+
+def _qkv(key, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int):
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, seq, heads, head_dim), jnp.float32)
+    k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, seq, kv_heads, head_dim), jnp.float32)
+    d_out = jax.random.normal(kd, (batch, seq, heads, head_dim), jnp.float32)
+    return q, k, v, d_out
+
+
+def _forward_backward(attention: Callable):
+    """`(q, k, v, d_out) -> (out, (dq, dk, dv))`: the output and its vjp at `d_out`."""
+    import jax
+
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(d_out)
+
+    return run
+
+
+def _max_error(a, b) -> float:
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Causal GQA ring attention, forward and backward, on a ring of (fake) devices."""
+    total = 5
+    _step(1, total, "starting JAX")
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import ringeqx
+
+    platform = _platform(args.device_type)
+    mesh = _ring_mesh(args.devices, platform)
+    num_devices = mesh.shape["sequence"]
+    device = mesh.devices.flat[0]
+    _say(
+        f"      JAX {jax.__version__}, ringeqx {ringeqx.__version__}; ring of "
+        f"{num_devices} {device.platform} device(s) ({device.device_kind})"
+    )
+    mask = ringeqx.Causal()
+
+    def ring(q, k, v):
+        return ringeqx.ring_attention(q, k, v, mask=mask, device_type=args.device_type)
+
+    def dense(q, k, v):
+        return ringeqx.reference_attention(q, k, v, mask=mask)
+
+    shape = (1, args.seq_len, args.heads, args.kv_heads, args.head_dim)
+    _step(
+        2,
+        total,
+        f"making q [1, {args.seq_len}, {args.heads}, {args.head_dim}] and k, v "
+        f"[1, {args.seq_len}, {args.kv_heads}, {args.head_dim}] (float32), sequence "
+        f"sharded over the ring",
+    )
+    seq_sharding = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    arrays = _qkv(jax.random.key(args.seed), *shape)
+    arrays = tuple(jax.device_put(x, seq_sharding) for x in arrays)
+
+    _step(3, total, "compiling causal ring attention, forward + backward")
+    with jax.set_mesh(mesh):
+        start = time.perf_counter()
+        compiled = jax.jit(_forward_backward(ring)).lower(*arrays).compile()
+        compile_s = time.perf_counter() - start
+        temp = _temp_bytes(compiled)
+        _say(f"      compiled in {compile_s:.1f} s")
+
+        _step(4, total, "running forward + backward")
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*arrays))
+        run_s = time.perf_counter() - start
+    # Model FLOPs: a causal forward is half of 4 N^2 H D; the backward is 2.5 forwards.
+    work = 3.5 * 2.0 * args.seq_len**2 * args.heads * args.head_dim
+    _say(f"      ran in {run_s:.2f} s ({work / run_s / 1e9:.1f} GFLOP/s over the ring)")
+
+    small = min(args.check_len, args.seq_len)
+    _step(5, total, f"checking against reference_attention at {small} tokens")
+    small_arrays = _qkv(jax.random.key(args.seed + 1), 1, small, *shape[2:])
+    with jax.set_mesh(mesh):
+        got_out, got_grads = jax.jit(_forward_backward(ring))(*small_arrays)
+    want_out, want_grads = jax.jit(_forward_backward(dense))(*small_arrays)
+    out_error = _max_error(got_out, want_out)
+    grad_error = max(_max_error(g, w) for g, w in zip(got_grads, want_grads))
+
+    _say("")
+    _say(
+        f"causal GQA attention, {args.seq_len} tokens, {args.heads} query / "
+        f"{args.kv_heads} kv heads, head_dim {args.head_dim}, {num_devices} devices"
+    )
+    _say(f"  compile                          {compile_s:8.2f} s")
+    _say(f"  forward + backward               {run_s:8.2f} s")
+    if temp is None:
+        _say("  temp memory per device               n/a (memory_analysis unavailable)")
+    else:
+        _say(f"  temp memory per device           {_mib(temp):>12}")
+    _say(f"  max |out - reference|            {out_error:12.2e}  ({small} tokens)")
+    _say(f"  max |grad - reference|           {grad_error:12.2e}  ({small} tokens)")
+    ok = out_error < 1e-3 and grad_error < 1e-2
+    _say("  OK" if ok else "  MISMATCH against the reference")
+    return 0 if ok else 1
+
+
+def _median_time(fn: Callable, *args, reps: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Time ringeqx alone at one size (`benchmarks/ring_vs_dense.py` compares)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import ringeqx
+
+    platform = _platform(args.device_type)
+    mesh = _ring_mesh(args.devices, platform)
+    num_devices = mesh.shape["sequence"]
+    # Tile sizes given on the command line mean the XLA kernel; otherwise `device_type`
+    # picks the kernel (and its default tiles).
+    kernel: Any = "auto"
+    if args.block_q is not None or args.block_kv is not None:
+        kernel = ringeqx.XlaKernel(
+            **{
+                name: value
+                for name, value in (
+                    ("block_q", args.block_q),
+                    ("block_kv", args.block_kv),
+                )
+                if value is not None
+            }
+        )
+    seq_sharding = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    q, k, v, d_out = (
+        jax.device_put(x, seq_sharding)
+        for x in _qkv(
+            jax.random.key(0), 1, args.seq_len, args.heads, args.kv_heads, args.head_dim
+        )
+    )
+    _say(
+        f"ringeqx ring attention: {args.seq_len} tokens, {args.heads} query / "
+        f"{args.kv_heads} kv heads, head_dim {args.head_dim}, float32, {num_devices} "
+        f"{mesh.devices.flat[0].platform} devices, median of {args.reps}"
+    )
+    header = ("mask", "forward s", "fwd+bwd s", "fwd GFLOP/s", "temp")
+    _say(f"{header[0]:<8} " + " ".join(f"{h:>12}" for h in header[1:]))
+    full_flops = 4.0 * args.seq_len**2 * args.heads * args.head_dim
+    for name, mask in (("full", ringeqx.Full()), ("causal", ringeqx.Causal())):
+
+        def ring(q, k, v, mask=mask):
+            return ringeqx.ring_attention(
+                q, k, v, mask=mask, kernel=kernel, device_type=args.device_type
+            )
+
+        flops = full_flops / (2 if name == "causal" else 1)
+        with jax.set_mesh(mesh):
+            fwd = jax.jit(ring).lower(q, k, v).compile()
+            both = jax.jit(_forward_backward(ring)).lower(q, k, v, d_out).compile()
+            fwd_s = _median_time(fwd, q, k, v, reps=args.reps)
+            both_s = _median_time(both, q, k, v, d_out, reps=args.reps)
+        temp = _temp_bytes(both)
+        temp_text = "n/a" if temp is None else _mib(temp)
+        _say(
+            f"{name:<8} {fwd_s:>12.3f} {both_s:>12.3f} "
+            f"{flops / fwd_s / 1e9:>12.1f} {temp_text:>12}"
+        )
+    _say(
+        "\nThis times ringeqx only. For the comparison with the `ringattention` "
+        "package and dense attention, with target ratios, run:\n"
+        "  python benchmarks/ring_vs_dense.py   (or: nox -s bench)"
+    )
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringeqx",
+        description="Exact ring attention for JAX. On CPU, the commands fake --devices "
+        "devices through XLA_FLAGS (unless XLA_FLAGS already sets a device count).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sub: argparse.ArgumentParser, seq_len: int, heads: int, kv_heads: int):
+        sub.add_argument("--seq-len", type=_positive, default=seq_len, help="tokens")
+        sub.add_argument("--heads", type=_positive, default=heads, help="query heads")
+        sub.add_argument(
+            "--kv-heads", type=_positive, default=kv_heads, help="key/value heads"
+        )
+        sub.add_argument("--head-dim", type=_positive, default=64)
+        sub.add_argument(
+            "--devices", type=_positive, default=8, help="ring size (fake CPU devices)"
+        )
+        sub.add_argument(
+            "--device-type",
+            choices=("auto", "cpu", "gpu", "tpu"),
+            default="auto",
+            help="which devices; ring_attention picks its kernel for them",
+        )
+
+    demo_parser = commands.add_parser(
+        "demo",
+        help="causal GQA ring attention, forward + backward, checked against dense",
+        description="Causal GQA ring attention, forward and backward, on a ring of "
+        "(fake) devices: prints compile and run time, temp memory per device, and the "
+        "error against dense attention on a smaller copy of the problem.",
+    )
+    common(demo_parser, seq_len=16384, heads=8, kv_heads=2)
+    demo_parser.add_argument(
+        "--check-len", type=_positive, default=2048, help="tokens for the dense check"
+    )
+    demo_parser.add_argument("--seed", type=int, default=0)
+    demo_parser.set_defaults(run=demo)
+
+    bench_parser = commands.add_parser(
+        "bench",
+        help="time ringeqx forward and forward+backward at one size",
+        description="Time ringeqx (full and causal masks) at one size. The comparison "
+        "with the ringattention package and dense attention is "
+        "benchmarks/ring_vs_dense.py.",
+    )
+    common(bench_parser, seq_len=8192, heads=4, kv_heads=4)
+    bench_parser.add_argument("--reps", type=_positive, default=3)
+    bench_parser.add_argument("--block-q", type=_positive, default=None)
+    bench_parser.add_argument("--block-kv", type=_positive, default=None)
+    bench_parser.set_defaults(run=bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ringeqx` script and of `python -m ringeqx`."""
+    args = _parser().parse_args(argv)
+    if args.heads % args.kv_heads != 0:
+        _parser().error(
+            f"--heads must be a multiple of --kv-heads; got {args.heads} and "
+            f"{args.kv_heads}"
+        )
+    _force_host_devices(args.devices)
+    return args.run(args)

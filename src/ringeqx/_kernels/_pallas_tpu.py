@@ -1,0 +1,536 @@
+"""`PallasTpuKernel`: flash attention as Pallas (Mosaic TPU) kernels, forward and
+backward."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int
+
+from .._masks import AbstractMask
+from .._score_mods import AbstractScoreMod
+from .._tokens import BlockSummary, TokenInfo
+from . import _pallas_tiles as tiles
+from ._base import AbstractAttentionKernel
+
+
+_DTYPES = ("bfloat16", "float32")
+# A vreg is 8 sublanes x 128 lanes: the last two dims of a block are multiples of these.
+_LANES = 128
+_SUBLANES = 8
+_SUMMARY_FIELDS = 7
+
+
+def _head_dim_ok(d: int) -> bool:
+    return d == 64 or (d > 0 and d % _LANES == 0)
+
+
+def _tile_summaries(info: TokenInfo, length: int, block: int) -> Int[Array, " n"]:
+    """Block summaries of every tile, flattened to `int32[batch * tiles * 7]` for SMEM
+    (scalar prefetch), so that the skip test is scalar work."""
+    rec = tiles.records(info, length)
+    b = rec.shape[0]
+    rows = [r.reshape(b, length // block, block) for r in jnp.unstack(rec, axis=1)]
+    s = BlockSummary.of(tiles.token_info(rows), axis=2)
+    fields = (s.pos_min, s.pos_max, s.seg_min, s.seg_max, s.span_min, s.span_max)
+    out = jnp.stack([*fields, s.any_valid.astype(jnp.int32)], axis=-1)
+    return out.reshape(-1)
+
+
+def _summary(ref, tile) -> BlockSummary:
+    base = tile * _SUMMARY_FIELDS
+    lo, hi, seg_lo, seg_hi, span_lo, span_hi, valid = (
+        ref[base + f] for f in range(_SUMMARY_FIELDS)
+    )
+    return BlockSummary(lo, hi, seg_lo, seg_hi, span_lo, span_hi, valid != 0)
+
+
+def _q_records(info: TokenInfo, length: int) -> Array:
+    """`[batch, 4, length, 128]`: query records broadcast along lanes, so that a tile
+    `[block_q, 128]` loads as a column (the layout of JAX's TPU flash attention)."""
+    rec = tiles.records(info, length)
+    return jnp.broadcast_to(rec[..., None], rec.shape + (_LANES,))
+
+
+def _k_records(info: TokenInfo, length: int) -> Array:
+    """`[batch, 4, 8, length]`: key records broadcast along sublanes."""
+    rec = tiles.records(info, length)
+    return jnp.broadcast_to(rec[:, :, None], rec.shape[:2] + (_SUBLANES, length))
+
+
+def _q_info(ref) -> TokenInfo:
+    return tiles.token_info([ref[f][:, :1] for f in range(4)])
+
+
+def _k_info(ref) -> TokenInfo:
+    return tiles.token_info([ref[f][:1, :] for f in range(4)])
+
+
+def _lanes(x: Array) -> Array:
+    """`[bq, 1]` -> `[bq, 128]` for storing per-row statistics."""
+    return jnp.broadcast_to(x, (x.shape[0], _LANES))
+
+
+def _forward_kernel(
+    q_sum_ref,
+    k_sum_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    q_rec_ref,
+    k_rec_ref,
+    *refs,
+    rebuild,
+    scale: float,
+    num_q: int,
+    num_kv: int,
+):
+    *leaf_refs, o_ref, lse_ref, m_ref, total_ref, acc_ref = refs
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    mask, score_mod = rebuild(leaf_refs)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    qs = _summary(q_sum_ref, b * num_q + i)
+    ks = _summary(k_sum_ref, b * num_kv + j)
+
+    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    def _update():
+        mod = None if score_mod is None else score_mod.for_head(h)
+        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
+        s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
+        acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
+        acc = acc.update(s, tiles.allowed(mask, qi, ki), v_ref[...])
+        m_ref[...] = _lanes(acc.m)
+        total_ref[...] = _lanes(acc.total)
+        acc_ref[...] = acc.acc
+
+    @pl.when(j == num_kv - 1)
+    def _finish():
+        out, lse = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...]).finish()
+        o_ref[...] = out
+        lse_ref[...] = _lanes(lse)
+
+
+def _dq_kernel(
+    q_sum_ref,
+    k_sum_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    q_rec_ref,
+    k_rec_ref,
+    *refs,
+    rebuild,
+    scale: float,
+    num_q: int,
+    num_kv: int,
+):
+    *leaf_refs, dq_ref, dq_acc = refs
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    mask, score_mod = rebuild(leaf_refs)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    qs = _summary(q_sum_ref, b * num_q + i)
+    ks = _summary(k_sum_ref, b * num_kv + j)
+
+    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    def _grads():
+        mod = None if score_mod is None else score_mod.for_head(h)
+        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
+        k = k_ref[...]
+        _, ds = tiles.tile_grads(
+            q_ref[...],
+            k,
+            v_ref[...],
+            do_ref[...],
+            lse_ref[:, :1],
+            delta_ref[:, :1],
+            qi,
+            ki,
+            mask,
+            mod,
+            scale,
+        )
+        dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k)
+
+    @pl.when(j == num_kv - 1)
+    def _finish():
+        dq_ref[...] = dq_acc[...]
+
+
+def _dkv_kernel(
+    q_sum_ref,
+    k_sum_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    q_rec_ref,
+    k_rec_ref,
+    *refs,
+    rebuild,
+    scale: float,
+    num_q: int,
+    num_kv: int,
+    groups: int,
+):
+    *leaf_refs, dk_ref, dv_ref, dk_acc, dv_acc = refs
+    b, kv_head, t, g, i = (pl.program_id(a) for a in range(5))
+    mask, score_mod = rebuild(leaf_refs)
+    first = (g == 0) & (i == 0)
+    last = (g == groups - 1) & (i == num_q - 1)
+
+    @pl.when(first)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    qs = _summary(q_sum_ref, b * num_q + i)
+    ks = _summary(k_sum_ref, b * num_kv + t)
+
+    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    def _grads():
+        mod = None if score_mod is None else score_mod.for_head(kv_head * groups + g)
+        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
+        q, d_out = q_ref[...], do_ref[...]
+        p, ds = tiles.tile_grads(
+            q,
+            k_ref[...],
+            v_ref[...],
+            d_out,
+            lse_ref[:, :1],
+            delta_ref[:, :1],
+            qi,
+            ki,
+            mask,
+            mod,
+            scale,
+        )
+        dv_acc[...] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
+        dk_acc[...] += tiles.matmul_tn(ds.astype(q.dtype), q)
+
+    @pl.when(last)
+    def _finish():
+        dk_ref[...] = dk_acc[...]
+        dv_ref[...] = dv_acc[...]
+
+
+class PallasTpuKernel(AbstractAttentionKernel):
+    """Flash attention written in Pallas for TPUs (Mosaic).
+
+    The grid runs over (batch, query head, query tile, key tile), the key tiles
+    innermost and sequential, with the running max, sum and output accumulator in VMEM
+    scratch. Per-tile block summaries are prefetched into SMEM, so the skip test of a
+    tile is scalar work before any vector work. The backward has a dK/dV kernel over
+    (batch, kv head, key tile, query head of the group, query tile), accumulating over
+    the last two (GQA without copying K/V heads), and a dQ kernel shaped like the
+    forward. Token records travel broadcast to full vregs (queries along lanes, keys
+    along sublanes), as in JAX's own TPU flash attention.
+
+    **Arguments:**
+
+    - `block_q`: query tile (static), a multiple of 8.
+    - `block_kv`: key tile (static), a multiple of 128.
+    - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
+
+    Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
+    `interpret=True`. Sequences are padded to whole tiles, the padding masked.
+
+    ??? cite "Flash Attention 2"
+
+        ```bibtex
+        @article{dao2023flashattention2,
+          title={FlashAttention-2: Faster Attention with Better Parallelism and Work
+                 Partitioning},
+          author={Dao, Tri},
+          journal={arXiv:2307.08691},
+          year={2023}
+        }
+        ```
+    """
+
+    block_q: int = eqx.field(static=True, default=512)
+    block_kv: int = eqx.field(static=True, default=1024)
+    interpret: bool = eqx.field(static=True, default=False)
+
+    def __check_init__(self):
+        for name, multiple in (("block_q", _SUBLANES), ("block_kv", _LANES)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < multiple or value % multiple != 0:
+                raise ValueError(
+                    f"PallasTpuKernel `{name}` must be a positive multiple of "
+                    f"{multiple} (TPU vreg tiles); got {value!r}."
+                )
+
+    def _check(self, q, k, v) -> None:
+        if not self.interpret and jax.default_backend() != "tpu":
+            raise ValueError(
+                "PallasTpuKernel(interpret=False) compiles with Mosaic and needs a "
+                f"TPU; JAX's backend is {jax.default_backend()!r}. Pass interpret=True "
+                "to run it in the Pallas interpreter, or use XlaKernel."
+            )
+        tiles.check_inputs(
+            "PallasTpuKernel", q, k, v, _DTYPES, _head_dim_ok, "64 or a multiple of 128"
+        )
+
+    def _blocks(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        return (
+            min(self.block_q, tiles.round_up(q_len, _SUBLANES)),
+            min(self.block_kv, tiles.round_up(kv_len, _LANES)),
+        )
+
+    def forward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        mask: AbstractMask,
+        score_mod: AbstractScoreMod | None,
+        scale: float,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
+    ]:
+        self._check(q, k, v)
+        with jax.named_scope("ringeqx_pallas_tpu_forward"):
+            b, h, q_len, d = q.shape
+            kh, kv_len = k.shape[1], k.shape[2]
+            g = h // kh
+            bq, bk = self._blocks(q_len, kv_len)
+            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
+            nq, nk = lq // bq, lk // bk
+            leaves, rebuild = tiles.split_operands(mask, score_mod)
+            whole = tiles.whole_array_specs(leaves)
+
+            def q_map(b, h, i, j, *_):
+                return b, h, i, 0
+
+            def kv_map(b, h, i, j, *_):
+                return b, h // g, j, 0
+
+            grid_spec = pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2,
+                grid=(b, h, nq, nk),
+                in_specs=[
+                    pl.BlockSpec((None, None, bq, d), q_map),
+                    pl.BlockSpec((None, None, bk, d), kv_map),
+                    pl.BlockSpec((None, None, bk, d), kv_map),
+                    pl.BlockSpec(
+                        (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
+                    ),
+                    pl.BlockSpec(
+                        (None, 4, _SUBLANES, bk), lambda b, h, i, j, *_: (b, 0, 0, j)
+                    ),
+                    *whole,
+                ],
+                out_specs=[
+                    pl.BlockSpec((None, None, bq, d), q_map),
+                    pl.BlockSpec((None, None, bq, _LANES), q_map),
+                ],
+                scratch_shapes=[
+                    pltpu.VMEM((bq, _LANES), jnp.float32),
+                    pltpu.VMEM((bq, _LANES), jnp.float32),
+                    pltpu.VMEM((bq, d), jnp.float32),
+                ],
+            )
+            out, lse = pl.pallas_call(
+                functools.partial(
+                    _forward_kernel, rebuild=rebuild, scale=scale, num_q=nq, num_kv=nk
+                ),
+                grid_spec=grid_spec,
+                out_shape=[
+                    jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
+                    jax.ShapeDtypeStruct((b, h, lq, _LANES), jnp.float32),
+                ],
+                compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=(
+                        "parallel",
+                        "parallel",
+                        "parallel",
+                        "arbitrary",
+                    )
+                ),
+                interpret=self.interpret,
+                name="ringeqx_tpu_flash_forward",
+            )(
+                _tile_summaries(q_info, lq, bq),
+                _tile_summaries(kv_info, lk, bk),
+                tiles.pad_axis(q, 2, lq),
+                tiles.pad_axis(k, 2, lk),
+                tiles.pad_axis(v, 2, lk),
+                _q_records(q_info, lq),
+                _k_records(kv_info, lk),
+                *leaves,
+            )
+            return out[:, :, :q_len], lse[:, :, :q_len, 0]
+
+    def backward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        lse: Float[Array, "batch heads q_len"],
+        delta: Float[Array, "batch heads q_len"],
+        d_out: Float[Array, "batch heads q_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        mask: AbstractMask,
+        score_mod: AbstractScoreMod | None,
+        scale: float,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+    ]:
+        self._check(q, k, v)
+        with jax.named_scope("ringeqx_pallas_tpu_backward"):
+            b, h, q_len, d = q.shape
+            kh, kv_len = k.shape[1], k.shape[2]
+            g = h // kh
+            bq, bk = self._blocks(q_len, kv_len)
+            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
+            nq, nk = lq // bq, lk // bk
+            leaves, rebuild = tiles.split_operands(mask, score_mod)
+            whole = tiles.whole_array_specs(leaves)
+            lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+            def rows(x):
+                return jnp.broadcast_to(
+                    tiles.pad_axis(x, 2, lq)[..., None], (b, h, lq, _LANES)
+                )
+
+            inputs = (
+                _tile_summaries(q_info, lq, bq),
+                _tile_summaries(kv_info, lk, bk),
+                tiles.pad_axis(q, 2, lq),
+                tiles.pad_axis(k, 2, lk),
+                tiles.pad_axis(v, 2, lk),
+                tiles.pad_axis(d_out.astype(q.dtype), 2, lq),
+                rows(lse),
+                rows(delta),
+                _q_records(q_info, lq),
+                _k_records(kv_info, lk),
+                *leaves,
+            )
+
+            def q_map(b, h, i, j, *_):
+                return b, h, i, 0
+
+            def kv_map(b, h, i, j, *_):
+                return b, h // g, j, 0
+
+            dq = pl.pallas_call(
+                functools.partial(
+                    _dq_kernel, rebuild=rebuild, scale=scale, num_q=nq, num_kv=nk
+                ),
+                grid_spec=pltpu.PrefetchScalarGridSpec(
+                    num_scalar_prefetch=2,
+                    grid=(b, h, nq, nk),
+                    in_specs=[
+                        pl.BlockSpec((None, None, bq, d), q_map),
+                        pl.BlockSpec((None, None, bk, d), kv_map),
+                        pl.BlockSpec((None, None, bk, d), kv_map),
+                        pl.BlockSpec((None, None, bq, d), q_map),
+                        pl.BlockSpec((None, None, bq, _LANES), q_map),
+                        pl.BlockSpec((None, None, bq, _LANES), q_map),
+                        pl.BlockSpec(
+                            (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
+                        ),
+                        pl.BlockSpec(
+                            (None, 4, _SUBLANES, bk),
+                            lambda b, h, i, j, *_: (b, 0, 0, j),
+                        ),
+                        *whole,
+                    ],
+                    out_specs=pl.BlockSpec((None, None, bq, d), q_map),
+                    scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+                ),
+                out_shape=jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
+                compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=(
+                        "parallel",
+                        "parallel",
+                        "parallel",
+                        "arbitrary",
+                    )
+                ),
+                interpret=self.interpret,
+                name="ringeqx_tpu_flash_backward_dq",
+            )(*inputs)
+
+            # Grid (batch, kv head, key tile, query head in the group, query tile).
+            def gq_map(b, j, t, gi, i, *_):
+                return b, j * g + gi, i, 0
+
+            def k_map(b, j, t, gi, i, *_):
+                return b, j, t, 0
+
+            dk, dv = pl.pallas_call(
+                functools.partial(
+                    _dkv_kernel,
+                    rebuild=rebuild,
+                    scale=scale,
+                    num_q=nq,
+                    num_kv=nk,
+                    groups=g,
+                ),
+                grid_spec=pltpu.PrefetchScalarGridSpec(
+                    num_scalar_prefetch=2,
+                    grid=(b, kh, nk, g, nq),
+                    in_specs=[
+                        pl.BlockSpec((None, None, bq, d), gq_map),
+                        pl.BlockSpec((None, None, bk, d), k_map),
+                        pl.BlockSpec((None, None, bk, d), k_map),
+                        pl.BlockSpec((None, None, bq, d), gq_map),
+                        pl.BlockSpec((None, None, bq, _LANES), gq_map),
+                        pl.BlockSpec((None, None, bq, _LANES), gq_map),
+                        pl.BlockSpec(
+                            (None, 4, bq, _LANES),
+                            lambda b, j, t, gi, i, *_: (b, 0, i, 0),
+                        ),
+                        pl.BlockSpec(
+                            (None, 4, _SUBLANES, bk),
+                            lambda b, j, t, gi, i, *_: (b, 0, 0, t),
+                        ),
+                        *whole,
+                    ],
+                    out_specs=[
+                        pl.BlockSpec((None, None, bk, d), k_map),
+                        pl.BlockSpec((None, None, bk, d), k_map),
+                    ],
+                    scratch_shapes=[
+                        pltpu.VMEM((bk, d), jnp.float32),
+                        pltpu.VMEM((bk, d), jnp.float32),
+                    ],
+                ),
+                out_shape=[jax.ShapeDtypeStruct((b, kh, lk, d), jnp.float32)] * 2,
+                compiler_params=pltpu.CompilerParams(
+                    dimension_semantics=(
+                        "parallel",
+                        "parallel",
+                        "parallel",
+                        "arbitrary",
+                        "arbitrary",
+                    )
+                ),
+                interpret=self.interpret,
+                name="ringeqx_tpu_flash_backward_dkv",
+            )(*inputs)
+            return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]

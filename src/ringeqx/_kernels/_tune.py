@@ -1,0 +1,141 @@
+"""`tune_block_sizes`: time candidate tiles of a kernel on the present device."""
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from .._masks import AbstractMask, Full
+from .._score_mods import AbstractScoreMod
+from .._tokens import TokenInfo
+from ._base import AbstractAttentionKernel
+from ._pallas_gpu import PallasGpuKernel
+from ._pallas_tpu import PallasTpuKernel
+from ._xla import XlaKernel
+
+
+def _default_candidates(kernel: AbstractAttentionKernel) -> list[tuple[int, int]]:
+    match kernel:
+        case XlaKernel():
+            sizes = (256, 512, 1024)
+            return [(bq, bk) for bq in sizes for bk in sizes]
+        case PallasGpuKernel():
+            return [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+        case PallasTpuKernel():
+            return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
+        case _:
+            raise ValueError(
+                "tune_block_sizes has no default candidates for "
+                f"{type(kernel).__name__}; pass "
+                "`candidates=[(block_q, block_kv), ...]`."
+            )
+
+
+def tune_block_sizes(
+    kernel: AbstractAttentionKernel,
+    *,
+    heads: int,
+    q_len: int,
+    head_dim: int,
+    kv_heads: int | None = None,
+    kv_len: int | None = None,
+    batch: int = 1,
+    dtype: DTypeLike = jnp.bfloat16,
+    mask: AbstractMask | None = None,
+    score_mod: AbstractScoreMod | None = None,
+    candidates: Sequence[tuple[int, int]] | None = None,
+    backward: bool = True,
+    repeats: int = 3,
+) -> tuple[AbstractAttentionKernel, dict[tuple[int, int], float]]:
+    """Time `kernel` with each candidate `(block_q, block_kv)` on the present device and
+    return the fastest.
+
+    The problem is one ring step on one device: `q` `[batch, heads, q_len, head_dim]`
+    against K/V `[batch, kv_heads, kv_len, head_dim]`, tokens at positions `0, 1, ...`
+    of one segment. Each candidate is compiled once, then timed `repeats` times (the
+    median counts); `backward=True` times the forward and the backward together, which
+    is what a training step pays.
+
+    **Arguments:**
+
+    - `kernel`: the kernel to tune (its other settings, such as `interpret`, are kept).
+        It must have `block_q` and `block_kv` fields.
+    - `heads`, `q_len`, `head_dim`, `kv_heads` (default `heads`), `kv_len` (default
+        `q_len`), `batch`, `dtype`: the problem.
+    - `mask`, `score_mod`: as in [`ringeqx.ring_attention`][] (default `Full()`).
+    - `candidates`: `(block_q, block_kv)` pairs (default: a grid suited to the kernel).
+        A candidate the kernel rejects is an error, not skipped.
+    - `backward`: also time the backward.
+    - `repeats`: timed runs per candidate, >= 1.
+
+    **Returns:** `(best, timings)`: the kernel with the fastest tiles, and the median
+    seconds of every candidate.
+
+    **Example:**
+
+    ```python
+    kernel, timings = ringeqx.tune_block_sizes(
+        ringeqx.PallasGpuKernel(), heads=32, kv_heads=8, q_len=8192, head_dim=128
+    )
+    ```
+    """
+    names = {f.name for f in dataclasses.fields(kernel)}
+    if not {"block_q", "block_kv"} <= names:
+        raise ValueError(
+            f"tune_block_sizes needs a kernel with `block_q` and `block_kv` fields; "
+            f"{type(kernel).__name__} has {sorted(names)}."
+        )
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"`repeats` must be an integer >= 1; got {repeats!r}.")
+    candidates = _default_candidates(kernel) if candidates is None else list(candidates)
+    if not candidates:
+        raise ValueError(
+            "`candidates` must hold at least one (block_q, block_kv) pair."
+        )
+    kv_heads = heads if kv_heads is None else kv_heads
+    kv_len = q_len if kv_len is None else kv_len
+    mask = Full() if mask is None else mask
+    kernels = {
+        (bq, bk): dataclasses.replace(kernel, block_q=bq, block_kv=bk)
+        for bq, bk in candidates
+    }
+
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, kv_heads, kv_len, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, kv_heads, kv_len, head_dim), dtype)
+    d_out = jax.random.normal(kd, q.shape, dtype)
+
+    def info(length: int) -> TokenInfo:
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return TokenInfo(pos, jnp.zeros_like(pos), jnp.full_like(pos, -1), pos >= 0)
+
+    q_info, kv_info = info(q_len), info(kv_len)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def step(kernel, q, k, v, d_out):
+        out, lse = kernel.forward(q, k, v, q_info, kv_info, mask, score_mod, scale)
+        if not backward:
+            return out, lse
+        delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+        return kernel.backward(
+            q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, scale
+        )
+
+    timings = {}
+    for blocks, candidate in kernels.items():
+        fn = jax.jit(lambda *args, kernel=candidate: step(kernel, *args))
+        jax.block_until_ready(fn(q, k, v, d_out))
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v, d_out))
+            runs.append(time.perf_counter() - start)
+        timings[blocks] = statistics.median(runs)
+    best = min(timings, key=timings.__getitem__)
+    return kernels[best], timings

@@ -1,0 +1,173 @@
+"""`schedule`: the work each device does at each ring step, as the ring will run it."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._layout import Layout
+from ._masks import AbstractMask
+from ._tokens import BlockSummary, TokenInfo
+
+
+def _ratio(work: Float[Array, "steps shards"]) -> Float[Array, ""]:
+    total = jnp.sum(jnp.mean(work, axis=1))
+    return jnp.where(total > 0, jnp.sum(jnp.max(work, axis=1)) / jnp.where(total > 0, total, 1.0), 1.0)
+
+
+class Schedule(eqx.Module):
+    """What every device does at every ring step, for one layout and mask.
+
+    At ring step `s`, device `i` holds its own queries and the keys/values of shard
+    `(i + a - s) mod P`, where `a` is 0 unless a two-sided window lets the ring start `a`
+    shards ahead. The step runs only if the mask's block rule allows the two shards;
+    then the kernel runs a `block_q x block_kv` tile only if the block rule allows the two
+    tiles. A layout with batch axes is summed over them (the ring processes the whole
+    batch of a device together).
+
+    **Fields:**
+
+    - `tiles_run`: `int32[steps, shards]`, kernel tiles computed.
+    - `tiles_skipped`: `int32[steps, shards]`, tiles skipped (whole skipped steps included).
+    - `pairs`: `float32[steps, shards]`, unmasked query-key pairs of valid tokens: the
+        useful work (float32, exact below 2^24 per entry).
+
+    `steps` is [`ringeqx.num_ring_steps`][] (all `P` unless the mask bounds distances on a
+    contiguous layout).
+    """
+
+    tiles_run: Int[Array, "steps shards"]
+    tiles_skipped: Int[Array, "steps shards"]
+    pairs: Float[Array, "steps shards"]
+
+    @property
+    def imbalance(self) -> Float[Array, ""]:
+        r"""Useful work on the slowest device over the mean, step by step:
+
+        $$\frac{\sum_s \max_i \text{pairs}_{s,i}}{\sum_s \operatorname{mean}_i
+        \text{pairs}_{s,i}}$$
+
+        The ring moves in lockstep (each step waits for the K/V of the previous device),
+        so a step lasts as long as its busiest device: the numerator is the critical path
+        and the denominator the perfectly balanced time. 1.0 is perfect; `P` is the worst.
+        """
+        return _ratio(self.pairs)
+
+    @property
+    def tile_imbalance(self) -> Float[Array, ""]:
+        """`imbalance` counted in kernel tiles run, which is what the kernel's time
+        follows when tiles are dense."""
+        return _ratio(self.tiles_run.astype(jnp.float32))
+
+    @property
+    def critical_path(self) -> Int[Array, ""]:
+        """Tiles on the critical path: the sum over steps of the busiest device's tiles."""
+        return jnp.sum(jnp.max(self.tiles_run, axis=1))
+
+    @property
+    def total_tiles(self) -> Int[Array, ""]:
+        """Tiles run by all devices at all steps."""
+        return jnp.sum(self.tiles_run)
+
+
+def _tiles(info: TokenInfo, num: int, block: int) -> TokenInfo:
+    """`[shards, batch, capacity]` records -> `[shards, num, batch, block]`, padded
+    slots invalid (as the kernel pads)."""
+
+    def tile(x, fill):
+        extra = num * block - x.shape[-1]
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, extra)), constant_values=fill)
+        return jnp.swapaxes(x.reshape(x.shape[:2] + (num, block)), 1, 2)
+
+    return TokenInfo(
+        tile(info.positions, 0),
+        tile(info.segments, -1),
+        tile(info.spans, -1),
+        tile(info.valid, False),
+    )
+
+
+def _block_rule(mask: AbstractMask, q: BlockSummary, k: BlockSummary):
+    return q.any_valid & k.any_valid & mask.may_attend(q, k)
+
+
+def schedule(
+    layout: Layout, mask: AbstractMask, *, block_q: int = 512, block_kv: int = 512
+) -> Schedule:
+    """Count, without running attention, the work of every device at every ring step.
+
+    It follows the ring exactly: the steps of [`ringeqx.num_ring_steps`][], the same
+    step skip (the mask's block rule on per-shard summaries) and the same tiles as
+    [`ringeqx.XlaKernel`][]`(block_q, block_kv)` (blocks larger than a shard shrink to it).
+
+    **Arguments:**
+
+    - `layout`: a [`ringeqx.Layout`][] (batch axes are summed over).
+    - `mask`: the attention mask.
+    - `block_q`, `block_kv`: the kernel's tile sizes.
+
+    **Returns:** a [`ringeqx.Schedule`][]; see its `imbalance` and `critical_path`.
+
+    **Example:**
+
+    ```python
+    layout = ringeqx.Zigzag().layout(8192, 8)
+    s = ringeqx.schedule(layout, ringeqx.Causal())
+    print(s.imbalance, s.critical_path)
+    ```
+    """
+    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"schedule `{name}` must be an integer >= 1; got {value!r}.")
+    return _schedule(layout, mask, block_q, block_kv)
+
+
+@eqx.filter_jit
+def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -> Schedule:
+    num_shards, capacity = layout.num_shards, layout.capacity
+    info = layout.token_info()
+    # [*batch, shards * capacity] -> [shards, batch, capacity]
+    info = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(-1, num_shards, capacity), 0, 1), info
+    )
+
+    over_shard = jax.vmap(lambda i: BlockSummary.of(i))
+    shard_sum = over_shard(info)
+    pairwise = jax.vmap(jax.vmap(lambda q, k: _block_rule(mask, q, k), (None, 0)), (0, None))
+    step_ok = pairwise(shard_sum, shard_sum)  # [q shard, kv shard]
+
+    bq, bk = min(block_q, capacity), min(block_kv, capacity)
+    nq, nk = math.ceil(capacity / bq), math.ceil(capacity / bk)
+    over_tile = jax.vmap(jax.vmap(lambda i: BlockSummary.of(i)))
+    q_sum = over_tile(_tiles(info, nq, bq))  # [shards, nq]
+    k_sum = over_tile(_tiles(info, nk, bk))  # [shards, nk]
+    def flat(s: BlockSummary) -> BlockSummary:
+        return jax.tree.map(lambda x: x.reshape(-1), s)
+
+    tile_ok = pairwise(flat(q_sum), flat(k_sum)).reshape(num_shards, nq, num_shards, nk)
+    tile_ok = tile_ok & step_ok[:, None, :, None]
+    tiles = jnp.sum(tile_ok, axis=(1, 3), dtype=jnp.int32)  # [q shard, kv shard]
+
+    keys = jax.tree.map(lambda x: x[:, :, None, :], info)  # [shards, batch, 1, capacity]
+
+    def shard_pairs(q_info: TokenInfo) -> Float[Array, " shards"]:
+        # q_info: [batch, capacity] -> queries [1, batch, capacity, 1] vs keys
+        # [shards, batch, 1, capacity]
+        q = jax.tree.map(lambda x: x[None, :, :, None], q_info)
+        ok = mask.allows(q, keys) & q.valid & keys.valid
+        rows = jnp.sum(ok, axis=-1, dtype=jnp.int32).astype(jnp.float32)
+        return jnp.sum(rows, axis=(1, 2))
+
+    pairs = jax.lax.map(shard_pairs, info)  # [q shard, kv shard]
+
+    # Imported here: the ring imports the strategies, whose base class imports this.
+    from ._ring import _ring_window
+
+    # Device i starts `ahead` shards ahead and meets shard i + ahead - s at step s.
+    ahead, steps = _ring_window(mask, layout)
+    dev = jnp.arange(num_shards)[None, :]
+    src = (dev + ahead - jnp.arange(steps)[:, None]) % num_shards
+    run = tiles[dev, src]
+    return Schedule(tiles_run=run, tiles_skipped=nq * nk - run, pairs=pairs[dev, src])
