@@ -29,7 +29,7 @@ STRATEGIES = [
         "boundary",
         lambda seq_len: rx.Boundary(np.cumsum(np.resize([5, 9, 4, 7, 6], seq_len // 10))),
     ),
-    ("work_balanced", lambda seq_len: rx.WorkBalanced(chunk=2)),
+    ("work_balanced", lambda seq_len: rx.WorkBalanced(chunk=2, iterations=100)),
     ("modality_aware", lambda seq_len: rx.ModalityAware()),
     ("modality_aware_contiguous", lambda seq_len: rx.ModalityAware(zigzag=False)),
 ]

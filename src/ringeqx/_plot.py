@@ -50,8 +50,7 @@ def plot_layout(layout: Layout, *, color_by: str = "position", ax=None):
             values = layout.spans
         case _:
             raise ValueError(
-                "plot_layout `color_by` must be 'position', 'segment' or 'span'; got "
-                f"{color_by!r}."
+                f"plot_layout `color_by` must be 'position', 'segment' or 'span'; got {color_by!r}."
             )
     data = np.ma.masked_array(np.asarray(values), mask=~np.asarray(layout.valid))
     ax = _new_axes(ax, 8.0, 0.4 * layout.num_shards + 1.5)
@@ -92,7 +91,5 @@ def plot_schedule(schedule: Schedule, *, what: str = "pairs", ax=None):
     ax.set_ylabel("ring step")
     ax.set_xticks(range(shards))
     ax.set_yticks(range(steps))
-    ax.set_title(
-        f"imbalance {float(ratio):.3f}, critical path {int(schedule.critical_path)} tiles"
-    )
+    ax.set_title(f"imbalance {float(ratio):.3f}, critical path {int(schedule.critical_path)} tiles")
     return ax

@@ -14,7 +14,9 @@ from ._tokens import BlockSummary, TokenInfo
 
 def _ratio(work: Float[Array, "steps shards"]) -> Float[Array, ""]:
     total = jnp.sum(jnp.mean(work, axis=1))
-    return jnp.where(total > 0, jnp.sum(jnp.max(work, axis=1)) / jnp.where(total > 0, total, 1.0), 1.0)
+    return jnp.where(
+        total > 0, jnp.sum(jnp.max(work, axis=1)) / jnp.where(total > 0, total, 1.0), 1.0
+    )
 
 
 class Schedule(eqx.Module):
@@ -129,9 +131,7 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
     num_shards, capacity = layout.num_shards, layout.capacity
     info = layout.token_info()
     # [*batch, shards * capacity] -> [shards, batch, capacity]
-    info = jax.tree.map(
-        lambda x: jnp.swapaxes(x.reshape(-1, num_shards, capacity), 0, 1), info
-    )
+    info = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, num_shards, capacity), 0, 1), info)
 
     over_shard = jax.vmap(lambda i: BlockSummary.of(i))
     shard_sum = over_shard(info)
@@ -143,6 +143,7 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
     over_tile = jax.vmap(jax.vmap(lambda i: BlockSummary.of(i)))
     q_sum = over_tile(_tiles(info, nq, bq))  # [shards, nq]
     k_sum = over_tile(_tiles(info, nk, bk))  # [shards, nk]
+
     def flat(s: BlockSummary) -> BlockSummary:
         return jax.tree.map(lambda x: x.reshape(-1), s)
 

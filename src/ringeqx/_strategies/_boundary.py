@@ -104,9 +104,7 @@ class Boundary(AbstractShardingStrategy):
             if np.any(np.diff(p) < 0):
                 raise ValueError(f"Boundary `positions` must be sorted; got {p.tolist()}.")
             if np.any(p < 0):
-                raise ValueError(
-                    f"Boundary `positions` must be >= 0; got {p.tolist()}."
-                )
+                raise ValueError(f"Boundary `positions` must be >= 0; got {p.tolist()}.")
         cap = self.capacity
         if cap is not None and (not isinstance(cap, int) or cap < 1):
             raise ValueError(f"Boundary `capacity` must be an integer >= 1 or None; got {cap!r}.")
@@ -120,29 +118,28 @@ class Boundary(AbstractShardingStrategy):
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
         check_num_shards(seq_len, num_shards)
-        pos = self.positions.astype(jnp.int32)
-        traced = is_traced(pos)
+        # Concrete positions (even closed over by an outer jit) allow trace-time checks
+        # and the smallest capacity; traced ones are checked when the program runs.
+        traced = is_traced(self.positions)
         if traced and self.capacity is None:
             raise ValueError(
                 "Boundary with traced `positions` (under jit) needs a static "
                 "`capacity`: pass Boundary(positions, capacity=...)."
             )
         if not traced:
-            p = np.asarray(pos)
+            p = np.asarray(self.positions)
             if np.any(p > seq_len):
                 raise ValueError(
-                    f"Boundary `positions` must lie in [0, seq_len={seq_len}]; got "
-                    f"{p.tolist()}."
+                    f"Boundary `positions` must lie in [0, seq_len={seq_len}]; got {p.tolist()}."
                 )
-            # Concrete positions give concrete cuts, even under an outer jit.
             with jax.ensure_compile_time_eval():
-                sizes = np.diff(np.asarray(_boundary_cuts(pos, seq_len, num_shards)))
+                cuts = _boundary_cuts(jnp.asarray(p, jnp.int32), seq_len, num_shards)
+            sizes = np.diff(np.asarray(cuts))
             if self.capacity is not None and sizes.max() > self.capacity:
                 raise ValueError(
                     f"Boundary `capacity`={self.capacity} is too small for the tokens: the "
                     f"snapped shards hold {sizes.tolist()} tokens."
                 )
         capacity = max(int(sizes.max()), 1) if self.capacity is None else self.capacity
-        return _boundary_layout(
-            pos, seq_len, num_shards, capacity, traced, segment_ids, span_ids
-        )
+        pos = self.positions.astype(jnp.int32)
+        return _boundary_layout(pos, seq_len, num_shards, capacity, traced, segment_ids, span_ids)

@@ -22,7 +22,9 @@ from ._uniform import check_num_shards
 @jax.jit(static_argnums=(1, 2))
 def _pieces(
     spans: Int[Array, "batch seq"], num_pieces: int, zigzag: bool
-) -> tuple[Int[Array, "batch shards pieces"], Int[Array, "batch shards pieces"], Int[Array, " batch"]]:
+) -> tuple[
+    Int[Array, "batch shards pieces"], Int[Array, "batch shards pieces"], Int[Array, " batch"]
+]:
     """Starts and lengths of each shard's pieces, and the longest span, per example."""
 
     def one(spans):
@@ -46,6 +48,12 @@ def _pieces(
     return jax.vmap(one)(spans)
 
 
+def _flat_spans(span_ids, seq_len: int) -> Int[Array, "batch seq"]:
+    if span_ids is None:
+        return jnp.full((1, seq_len), -1, jnp.int32)
+    return _check_ids("span_ids", span_ids, seq_len).reshape(-1, seq_len)
+
+
 @eqx.filter_jit
 def _modality_layout(
     spans: Int[Array, "batch seq"],
@@ -59,13 +67,12 @@ def _modality_layout(
     seq_len = spans.shape[-1]
     num_pieces = 2 * num_shards if zigzag else num_shards
     starts, lengths, longest = _pieces(spans, num_pieces, zigzag)
-    orders = jax.vmap(lambda s, l: order_from_pieces(s, l, capacity))(starts, lengths)
+    orders = jax.vmap(lambda s, n: order_from_pieces(s, n, capacity))(starts, lengths)
     if check:
         orders = eqx.error_if(
             orders,
             jnp.any(longest > capacity),
-            f"A span is longer than ModalityAware `capacity`={capacity}; spans are "
-            "never split.",
+            f"A span is longer than ModalityAware `capacity`={capacity}; spans are never split.",
         )
         orders = eqx.error_if(
             orders,
@@ -122,11 +129,9 @@ class ModalityAware(AbstractShardingStrategy):
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
         check_num_shards(seq_len, num_shards)
-        if span_ids is None:
-            spans = jnp.full((1, seq_len), -1, jnp.int32)
-        else:
-            spans = _check_ids("span_ids", span_ids, seq_len).reshape(-1, seq_len)
-        traced = is_traced(spans)
+        # Concrete span ids (even closed over by an outer jit) allow trace-time checks and
+        # the smallest capacity; traced ones are checked when the program runs.
+        traced = is_traced(span_ids)
         if traced and self.capacity is None:
             raise ValueError(
                 "ModalityAware with traced `span_ids` (under jit) needs a static "
@@ -135,6 +140,7 @@ class ModalityAware(AbstractShardingStrategy):
         if not traced:
             num_pieces = 2 * num_shards if self.zigzag else num_shards
             with jax.ensure_compile_time_eval():
+                spans = _flat_spans(span_ids, seq_len)
                 _, lengths, longest = _pieces(spans, num_pieces, self.zigzag)
             sizes = np.asarray(lengths).sum(axis=-1)
             capacity = max(int(sizes.max()), 1) if self.capacity is None else self.capacity
@@ -151,6 +157,7 @@ class ModalityAware(AbstractShardingStrategy):
                 )
         else:
             capacity = self.capacity
+        spans = _flat_spans(span_ids, seq_len)
         return _modality_layout(
             spans, num_shards, self.zigzag, capacity, traced, segment_ids, span_ids
         )

@@ -1,16 +1,14 @@
-"""Building blocks shared by the strategies: pieces, snapped cuts, per-token placement.
+"""Building blocks shared by the strategies: pieces of consecutive tokens, snapped cuts, runs.
 
 Every function here is plain `jax.numpy` with static shapes, so strategies whose placement
 depends on array leaves (boundary positions, segment ids, span ids) trace once and serve
 every value.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 
 def is_traced(x) -> bool:
@@ -99,45 +97,3 @@ def runs(
     start = jax.lax.cummax(jnp.where(new, t, 0))
     length = jax.ops.segment_sum(jnp.ones((n,), jnp.int32), run, num_segments=n)
     return run, start, length[run]
-
-
-def order_from_devices(
-    device: Int[Array, " seq"], num_shards: int, capacity: int
-) -> Int[Array, "shards capacity"]:
-    """The `order` of a layout in which token `t` goes to shard `device[t]`.
-
-    Tokens keep their original order inside a shard. Tokens that do not fit (a shard
-    past `capacity`) spill, in order, into the free slots of the first shards with room,
-    so every token is placed whenever `num_shards * capacity >= seq_len`.
-    """
-    n = device.shape[0]
-    assert num_shards * capacity >= n
-    perm = jnp.argsort(device, stable=True).astype(jnp.int32)
-    dev = device[perm]
-    counts = jnp.bincount(device, length=num_shards).astype(jnp.int32)
-    first = jnp.cumsum(counts) - counts
-    slot = jnp.arange(n, dtype=jnp.int32) - first[dev]
-    over = slot >= capacity
-    free = jnp.maximum(capacity - counts, 0)
-    free_end = jnp.cumsum(free)
-    k = jnp.cumsum(over, dtype=jnp.int32) - 1
-    target = jnp.clip(jnp.searchsorted(free_end, k, side="right"), 0, num_shards - 1)
-    target_slot = jnp.minimum(counts, capacity)[target] + k - (free_end - free)[target]
-    dev = jnp.where(over, target, dev)
-    slot = jnp.where(over, target_slot, slot)
-    order = jnp.full((num_shards * capacity,), -1, jnp.int32)
-    order = order.at[dev * capacity + slot].set(perm, mode="drop", unique_indices=True)
-    return order.reshape(num_shards, capacity)
-
-
-def shard_sizes(order: Int[Array, "*batch shards capacity"]) -> Int[Array, "*batch shards"]:
-    return jnp.sum(order >= 0, axis=-1, dtype=jnp.int32)
-
-
-def ceil_to(x: int, multiple: int) -> int:
-    return multiple * math.ceil(x / multiple)
-
-
-def any_true(x: Bool[Array, "..."]) -> bool:
-    """`bool(x.any())` for a concrete array."""
-    return bool(np.asarray(x).any())
