@@ -381,8 +381,8 @@ def test_auto_on_cpu_is_xla():
     assert jax.default_backend() == "cpu"
     for device_type in ("auto", "cpu"):
         kernel = rx.select_kernel("auto", device_type)
-        assert kernel == rx.XlaKernel(block_q=512, block_kv=512)
-    assert rx.select_kernel("xla") == rx.XlaKernel(block_q=512, block_kv=512)
+        assert kernel == rx.XlaKernel(block_q=256, block_kv=256)
+    assert rx.select_kernel("xla") == rx.XlaKernel(block_q=256, block_kv=256)
 
 
 def test_interpret_selects_pallas_anywhere():

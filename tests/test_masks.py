@@ -93,29 +93,28 @@ def _check_masks(strategy, devices: int, masks, *, seq_len: int = SEQ, key: int 
 _POSITION_MASKS = len(ALL_MASKS) - 3  # the MASKS entries, run on every device count by test_ring
 
 
-@pytest.mark.parametrize("devices", DEVICES)
+# By default: the masks that read span ids or depend on the length on 3 and 8 devices
+# (tests/test_ring.py runs the position masks on 1, 2, 3, 4 and 8), and each other
+# strategy with one composite mask on one device count. RINGEQX_FULL_MATRIX=1 runs every
+# mask under every strategy on every device count (about 14 minutes on 2 cores).
+@pytest.mark.parametrize("devices", DEVICES if FULL else (3, 8))
 def test_every_mask_on_uniform(devices):
-    # The full matrix: every mask on every device count. By default only the masks that
-    # read span ids or depend on the length (tests/test_ring.py runs the others on 1, 2,
-    # 3, 4 and 8 devices), on 3 and 8 devices.
-    if FULL:
-        masks = [(name, factory(SEQ)) for name, factory in ALL_MASKS]
-    elif devices in (3, 8):
-        masks = [(name, factory(SEQ)) for name, factory in ALL_MASKS[_POSITION_MASKS:]]
-    else:
-        pytest.skip("covered by tests/test_ring.py; set RINGEQX_FULL_MATRIX=1 to run")
-    _check_masks(rx.Uniform(), devices, masks)
+    names = ALL_MASKS if FULL else ALL_MASKS[_POSITION_MASKS:]
+    _check_masks(rx.Uniform(), devices, [(name, factory(SEQ)) for name, factory in names])
 
 
-@pytest.mark.parametrize("index", range(len(STRATEGIES)), ids=[s[0] for s in STRATEGIES])
+_OTHER_STRATEGIES = [i for i, (name, _) in enumerate(STRATEGIES) if FULL or name != "uniform"]
+
+
+@pytest.mark.parametrize(
+    "index", _OTHER_STRATEGIES, ids=[STRATEGIES[i][0] for i in _OTHER_STRATEGIES]
+)
 def test_every_strategy(index):
     name, factory = STRATEGIES[index]
     if FULL:
         masks = [(n, f(SEQ)) for n, f in ALL_MASKS] + _composites(SEQ)
         for devices in DEVICES:
             _check_masks(factory(SEQ), devices, masks)
-    elif name == "uniform":
-        pytest.skip("covered by test_every_mask_on_uniform and tests/test_ring.py")
     else:
         # A rotation: one of the composites (which use every rule between them) on 3, 4
         # or 8 devices; the two-sided window only matters on contiguous layouts.

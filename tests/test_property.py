@@ -38,7 +38,7 @@ def configs(draw):
 
 
 @settings(
-    max_examples=10,
+    max_examples=6,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

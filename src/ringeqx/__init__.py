@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from . import nn as nn
 from ._comm import RingConfig as RingConfig
 from ._kernels._base import AbstractAttentionKernel as AbstractAttentionKernel
 from ._kernels._pallas_gpu import PallasGpuKernel as PallasGpuKernel
@@ -24,7 +25,6 @@ from ._masks import (
 )
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._reference import reference_attention as reference_attention
-from . import nn as nn
 from ._ring import num_ring_steps as num_ring_steps, ring_attention as ring_attention
 from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (

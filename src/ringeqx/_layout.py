@@ -83,7 +83,7 @@ class Layout(eqx.Module):
             self.valid.reshape(flat),
         )
 
-    def shard(self, x: Shaped[Array, "seq *rest"]) -> Shaped[Array, "sharded *rest"]:
+    def shard(self, x: Shaped[Array, " seq *rest"]) -> Shaped[Array, " sharded *rest"]:
         """Move one example from original order to layout order; padding slots get zeros.
 
         **Arguments:**
@@ -108,7 +108,7 @@ class Layout(eqx.Module):
         keep = self.valid.reshape((-1,) + (1,) * (x.ndim - 1))
         return jnp.where(keep, gathered, jnp.zeros((), x.dtype))
 
-    def unshard(self, y: Shaped[Array, "sharded *rest"]) -> Shaped[Array, "seq *rest"]:
+    def unshard(self, y: Shaped[Array, " sharded *rest"]) -> Shaped[Array, " seq *rest"]:
         """Move one example from layout order back to original order (drops padding)."""
         if self.batch_shape:
             raise ValueError(

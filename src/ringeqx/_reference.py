@@ -69,9 +69,9 @@ def reference_attention(
         m = jnp.maximum(m, z)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
-        l = l + jnp.exp(z - m)
-    p = p / jnp.where(l > 0, l, 1.0)
+        denom = denom + jnp.exp(z - m)
+    p = p / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("...hqk,...khd->...qhd", p, vf)
     return out.astype(q.dtype)

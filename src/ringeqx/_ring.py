@@ -271,7 +271,10 @@ def _constrain(x, mesh, spec: PartitionSpec):
 
 
 def _broadcast_info(info: TokenInfo, batch: int) -> TokenInfo:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x.reshape(-1, x.shape[-1]), (batch, x.shape[-1])), info)
+    def flat(x):
+        return jnp.broadcast_to(x.reshape(-1, x.shape[-1]), (batch, x.shape[-1]))
+
+    return jax.tree.map(flat, info)
 
 
 def ring_attention(

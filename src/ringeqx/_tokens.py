@@ -53,8 +53,9 @@ class BlockSummary(eqx.Module):
 
     Block rules of masks use it to answer "may any pair in these two blocks attend?"
     without looking at single tokens. Fields are scalars for one block; kernels stack the
-    summaries of all their tiles along leading `blocks` axes. Ranges are over valid tokens only; a block without
-    any valid token has `any_valid=False` and empty ranges (min > max).
+    summaries of all their tiles along leading `blocks` axes. Ranges are over valid tokens
+    only; a block without any valid token has `any_valid=False` and empty ranges
+    (min > max).
     """
 
     pos_min: Int[Array, "*blocks"]

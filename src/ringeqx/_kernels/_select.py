@@ -17,7 +17,7 @@ DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
 # tiles (fewer loop steps; a TPU tile of 512 x 1024 float32 scores is 2 MiB of VMEM).
 # A Triton program keeps its tile of scores in registers, so 128 x 64 is its size.
 _BLOCKS = {
-    ("xla", "cpu"): (512, 512),
+    ("xla", "cpu"): (256, 256),
     ("xla", "gpu"): (512, 1024),
     ("xla", "tpu"): (512, 1024),
     ("pallas_gpu", "gpu"): (128, 64),

@@ -102,8 +102,8 @@ class XlaKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=512)
-    block_kv: int = eqx.field(static=True, default=512)
+    block_q: int = eqx.field(static=True, default=256)
+    block_kv: int = eqx.field(static=True, default=256)
 
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
@@ -149,7 +149,7 @@ class XlaKernel(AbstractAttentionKernel):
                     k_blk, v_blk, ki_blk, ks = ys
 
                     def update(carry):
-                        m, l, acc = carry
+                        m, denom, acc = carry
                         s, _ = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
                         s = jnp.where(ok, s, -jnp.inf)
@@ -157,22 +157,22 @@ class XlaKernel(AbstractAttentionKernel):
                         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                         p = jnp.exp(s - m_safe[..., None])
                         alpha = jnp.exp(m - m_safe)
-                        l = l * alpha + p.sum(axis=-1)
+                        denom = denom * alpha + p.sum(axis=-1)
                         pv = jnp.einsum(
                             "bhgqk,bhkd->bhgqd",
                             p.astype(v_blk.dtype),
                             v_blk,
                             preferred_element_type=jnp.float32,
                         )
-                        return m_new, l, acc * alpha[..., None] + pv
+                        return m_new, denom, acc * alpha[..., None] + pv
 
                     run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
                     return jax.lax.cond(run, update, lambda c: c, carry), None
 
-                (m, l, acc), _ = jax.lax.scan(kv_step, init, (kt, vt, ki, k_sum))
-                seen = l > 0
-                out = acc / jnp.where(seen, l, 1.0)[..., None]
-                lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+                (m, denom, acc), _ = jax.lax.scan(kv_step, init, (kt, vt, ki, k_sum))
+                seen = denom > 0
+                out = acc / jnp.where(seen, denom, 1.0)[..., None]
+                lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
                 return out, lse
 
             out, lse = jax.lax.map(q_tile, (qt, qi, q_sum))

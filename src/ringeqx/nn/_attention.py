@@ -35,6 +35,8 @@ class RingAttention(eqx.Module):
     - `head_dim`: per-head width (default `dim // num_heads`).
     - `mask`: an [`ringeqx.AbstractMask`][] (default `Causal()`).
     - `score_mod`: an optional score modifier.
+    - `sinks`: whether each head has a learned attention-sink logit (initialised to 0)
+        that joins every row's softmax denominator.
     - `rope_theta`: base of rotary embeddings, or None for none.
     - `kernel`, `device_type`, `interpret`: the per-device kernel, resolved once here (see
         [`ringeqx.ring_attention`][]); an unsupported choice raises at construction.
@@ -50,6 +52,7 @@ class RingAttention(eqx.Module):
     output_proj: eqx.nn.Linear
     mask: AbstractMask
     score_mod: AbstractScoreMod | None
+    sinks: Float[Array, " heads"] | None
     kernel: AbstractAttentionKernel
     config: RingConfig
     num_heads: int = eqx.field(static=True)
@@ -67,6 +70,7 @@ class RingAttention(eqx.Module):
         head_dim: int | None = None,
         mask: AbstractMask | None = None,
         score_mod: AbstractScoreMod | None = None,
+        sinks: bool = False,
         rope_theta: float | None = 10000.0,
         kernel: KernelName | AbstractAttentionKernel = "auto",
         device_type: DeviceType = "auto",
@@ -100,6 +104,7 @@ class RingAttention(eqx.Module):
         self.output_proj = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, key=ko)
         self.mask = Causal() if mask is None else mask
         self.score_mod = score_mod
+        self.sinks = jnp.zeros(num_heads, jnp.float32) if sinks else None
         self.kernel = select_kernel(kernel, device_type, interpret=interpret)
         self.config = RingConfig() if config is None else config
         self.num_heads = num_heads
@@ -114,6 +119,7 @@ class RingAttention(eqx.Module):
         layout: Layout | None = None,
         *,
         segment_ids: Int[Array, " seq"] | None = None,
+        span_ids: Int[Array, " seq"] | None = None,
         mesh=None,
     ) -> Float[Array, "seq dim"]:
         """Attend over one example.
@@ -123,7 +129,8 @@ class RingAttention(eqx.Module):
         - `x`: activations `[seq, dim]`, in layout order when `layout` is given.
         - `layout`: the [`ringeqx.Layout`][] of the sequence (default: contiguous shards
             made on the fly, `x` in original order).
-        - `segment_ids`: document ids in original order, without a layout only.
+        - `segment_ids`, `span_ids`: document and span ids in original order, without a
+            layout only (a layout carries its own).
         - `mesh`: the device mesh (default: the one set by `jax.set_mesh`).
 
         **Returns:** `[seq, dim]`, in the order of `x`.
@@ -149,6 +156,8 @@ class RingAttention(eqx.Module):
             v,
             mask=self.mask,
             segment_ids=segment_ids,
+            span_ids=span_ids,
+            sinks=self.sinks,
             layout=layout,
             mesh=mesh,
             axis_name=self.axis_name,
