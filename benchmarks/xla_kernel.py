@@ -31,12 +31,15 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--block-q", type=int, default=None, help="default: XlaKernel()'s")
+    parser.add_argument("--block-kv", type=int, default=None)
     args = parser.parse_args()
     n, h, d = args.seq_len, args.heads, args.head_dim
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, n, h, d), jnp.float32) for key in keys)
     mesh = jax.make_mesh((1,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
-    kernel = rx.XlaKernel()
+    blocks = {"block_q": args.block_q, "block_kv": args.block_kv}
+    kernel = rx.XlaKernel(**{name: b for name, b in blocks.items() if b is not None})
 
     def ours(q, k, v):
         return rx.ring_attention(q, k, v, mesh=mesh, kernel=kernel)
