@@ -8,7 +8,6 @@ on `Uniform`, every strategy with composite masks that use every rule);
 
 import math
 import os
-import re
 
 import equinox as eqx
 import jax
@@ -162,63 +161,6 @@ def test_sliding_windows_match_dot_product_attention():
 
 # --- early stop -------------------------------------------------------------------------
 
-_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
-
-
-def permute_stats(hlo: str) -> tuple[int, int, list[int]]:
-    """Collective-permutes a compiled program executes: `(ops, bytes, trips)`, where each
-    op counts once per iteration of the while loops around it, and `trips` lists the
-    trip counts of the loops that contain permutes (the ring's steps)."""
-    comps: dict[str, list[str]] = {}
-    entry, cur = None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            cur = head.group(2)
-            comps[cur] = []
-            entry = cur if head.group(1) else entry
-        elif cur is not None and line.startswith(" "):
-            comps[cur].append(line)
-    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
-    for name, lines in comps.items():
-        for line in lines:
-            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            refs = re.findall(
-                r"(?:condition|body|calls|to_apply|true_computation|false_computation)"
-                r"=%?([\w.\-]+)",
-                line,
-            )
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                refs += [r.strip().lstrip("%") for r in group.split(",")]
-            for ref in refs:
-                n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
-                calls[name].append((ref, n))
-    mult = {name: 0 for name in comps}
-    stack = [(entry, 1)]
-    while stack:
-        name, times = stack.pop()
-        mult[name] += times
-        stack += [(ref, times * n) for ref, n in calls.get(name, [])]
-    ops, nbytes, trips = 0, 0, []
-    for name, lines in comps.items():
-        for line in lines:
-            if not re.search(r"\scollective-permute(-start)?\(", line):
-                continue
-            lhs = line.split("collective-permute")[0]
-            size = sum(
-                _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                for dt, dims in re.findall(r"\b(f32|s32|u32|bf16|f16|pred|s8|u8)\[([\d,]*)\]", lhs)
-            )
-            ops += mult[name]
-            nbytes += mult[name] * size
-    for name, lines in comps.items():
-        for line in lines:
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            if body and trip and any("collective-permute" in x for x in comps[body.group(1)]):
-                trips.append(int(trip.group(1)))
-    return ops, nbytes, trips
 
 
 def test_early_stop_runs_and_sends_only_the_steps_that_matter():
@@ -242,14 +184,14 @@ def test_early_stop_runs_and_sends_only_the_steps_that_matter():
         return jax.jit(both).lower(q, k, v, ct).compile()
 
     assert rx.num_ring_steps(rx.Causal(), layout) == p
-    _, causal_bytes, causal_trips = permute_stats(program(rx.Causal()).as_text())
+    _, causal_bytes, causal_trips = rx.permute_stats(program(rx.Causal()).as_text())
     assert sorted(causal_trips) == [p - 1, p - 1]
     for mask in (rx.SlidingWindow(11), rx.SlidingWindow(6, two_sided=True)):
         steps = rx.num_ring_steps(mask, layout)
         behind = math.ceil(mask.window / layout.capacity)
         assert steps == 3 and steps <= behind + 1 + (behind if mask.two_sided else 0)
         compiled = program(mask)
-        _, nbytes, trips = permute_stats(compiled.as_text())
+        _, nbytes, trips = rx.permute_stats(compiled.as_text())
         # Forward and backward each loop over steps - 1 hops (the last step sends nothing).
         assert sorted(trips) == [steps - 1, steps - 1]
         # K/V (+ records) per hop, and dK/dV in the backward: traffic scales with steps.

@@ -24,6 +24,7 @@ from ._masks import (
     SlidingWindow as SlidingWindow,
 )
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
+from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention
 from ._ring import num_ring_steps as num_ring_steps, ring_attention as ring_attention
 from ._schedule import Schedule as Schedule, schedule as schedule
