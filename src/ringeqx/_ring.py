@@ -401,16 +401,12 @@ def ring_attention(
         else:
             q3, k3, v3 = (jax.vmap(lay.shard)(x) for x in (q3, k3, v3))
     else:
-        if segment_ids is not None:
-            raise ValueError(
-                "Pass `segment_ids` to the strategy that builds the layout, not to "
-                "ring_attention together with `layout=`."
-            )
-        if span_ids is not None:
-            raise ValueError(
-                "Pass `span_ids` to the strategy that builds the layout, not to "
-                "ring_attention together with `layout=`."
-            )
+        for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
+            if ids_given is not None:
+                raise ValueError(
+                    f"Pass `{name}` to the strategy that builds the layout, not to "
+                    "ring_attention together with `layout=`."
+                )
         if layout.num_shards != num_shards:
             raise ValueError(
                 f"The layout has {layout.num_shards} shards but the ring axis "
