@@ -28,8 +28,9 @@ class Layout(eqx.Module):
     - `valid`: `bool[*batch, shards, capacity]`, False for padding.
     - `seq_len`: static, the length of the original sequence.
     - `contiguous`: static, True when every shard holds one run of consecutive positions
-        and shard `s + 1` continues where shard `s` ended (Uniform, Boundary). Masks with a
-        bounded `max_distance` then need fewer ring steps.
+        and shard `s + 1` continues where shard `s` ended, with no short shard in the middle
+        (Uniform; not Boundary, whose shards may be short). Masks with a bounded
+        `max_distance` then need fewer ring steps.
 
     A layout with leading batch axes (made from batched segment ids) describes each example
     separately.
