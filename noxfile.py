@@ -52,7 +52,7 @@ def lint(session: nox.Session) -> None:
     Posargs go to ruff.
     """
     session.install("-e", ".", "ruff", "pyright[nodejs]")
-    paths = ["src", "tests", "benchmarks", "notebooks", "noxfile.py"]
+    paths = ["src", "tests", "benchmarks", "notebooks", "docs", "noxfile.py"]
     session.run("ruff", "check", *paths, *session.posargs)
     session.run("pyright", "src")
 
