@@ -416,10 +416,22 @@ def test_pallas_away_from_its_device_is_an_error():
         rx.select_kernel("pallas_gpu")
     with pytest.raises(ValueError, match="kernel='pallas_tpu' needs device_type='tpu'"):
         rx.select_kernel("pallas_tpu", "cpu")
-    with pytest.raises(ValueError, match="PallasGpuKernel runs on GPUs"):
-        rx.select_kernel(rx.PallasGpuKernel())
-    with pytest.raises(ValueError, match="PallasTpuKernel runs on TPUs"):
+    with pytest.raises(ValueError, match="PallasGpuKernel runs on device_type gpu,"):
+        rx.select_kernel(rx.PallasGpuKernel(), "cpu")
+    with pytest.raises(ValueError, match="PallasTpuKernel runs on device_type tpu,"):
         rx.select_kernel(rx.PallasTpuKernel(), "cpu")
+    # With "auto" the platform is the one lowered for: checked when lowering (below,
+    # and tests/test_lowering.py lowers these same objects for cuda and tpu).
+    obj = rx.PallasGpuKernel()
+    assert rx.select_kernel(obj) is obj
+
+
+def test_devices():
+    for kernel in (rx.XlaKernel(), *(k(interpret=True) for k in (rx.PallasGpuKernel,
+                                                               rx.PallasTpuKernel))):
+        assert kernel.devices() == {"cpu", "gpu", "tpu"}
+    assert rx.PallasGpuKernel().devices() == {"gpu"}
+    assert rx.PallasTpuKernel().devices() == {"tpu"}
 
 
 def test_unknown_names_are_errors(monkeypatch):
@@ -491,15 +503,18 @@ def test_unsupported_head_dim_and_dtype():
 
 
 def test_compiled_pallas_without_its_device_is_an_error():
+    # Raised when the program is lowered for this machine's CPU: eagerly, under jit,
+    # and through the ring with device_type="auto".
     x = jnp.zeros((1, 2, 8, 64))
-    with pytest.raises(
-        ValueError, match=r"PallasGpuKernel\(interpret=False\) .* needs a GPU"
-    ):
+    gpu = r"PallasGpuKernel\(interpret=False\) .* needs a GPU.*platform 'cpu'"
+    tpu = r"PallasTpuKernel\(interpret=False\) .* needs a TPU.*platform 'cpu'"
+    with pytest.raises(ValueError, match=gpu):
         _block(rx.PallasGpuKernel(), x, x, x)
-    with pytest.raises(
-        ValueError, match=r"PallasTpuKernel\(interpret=False\) .* needs a TPU"
-    ):
-        _block(rx.PallasTpuKernel(), x, x, x)
+    with pytest.raises(ValueError, match=tpu):
+        jax.jit(lambda x: _block(rx.PallasTpuKernel(), x, x, x))(x)
+    q, k, v = qkv(jax.random.key(0), (), 8, 2, 2, 64)
+    with pytest.raises(ValueError, match=gpu):
+        rx.ring_attention(q, k, v, mesh=mesh(1), kernel=rx.PallasGpuKernel())
 
 
 def test_tile_sizes_are_checked():

@@ -27,6 +27,16 @@ class AbstractAttentionKernel(eqx.Module):
     """
 
     @abc.abstractmethod
+    def devices(self) -> frozenset[str]:
+        """The device types (`"cpu"`, `"gpu"`, `"tpu"`) this kernel runs on.
+
+        [`ringeqx.select_kernel`][] checks it against an explicit `device_type`. With
+        `device_type="auto"` the platform is only known when the program is lowered (it
+        may be exported for another platform), so a kernel that compiles for one
+        platform also checks, when it is lowered, that it is lowered for that platform.
+        """
+
+    @abc.abstractmethod
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
-from .._tokens import BlockSummary, TokenInfo
+from .._tokens import TokenInfo
 from . import _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel
 
@@ -34,12 +34,24 @@ def _block(block: int, length: int) -> int:
     return min(block, max(16, 1 << (length - 1).bit_length()))
 
 
-def _q_info(rows) -> TokenInfo:
-    return tiles.token_info([r[:, None] for r in rows])
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
-def _k_info(rows) -> TokenInfo:
-    return tiles.token_info([r[None, :] for r in rows])
+# Each record row is loaded from its ref on its own: slicing a loaded `[4, block]` value
+# would be a `slice`, which Triton's lowering does not have.
+def _q_info(ref, rows=slice(None)) -> TokenInfo:
+    return tiles.token_info([ref[f, rows][:, None] for f in range(4)])
+
+
+def _k_info(ref, cols=slice(None)) -> TokenInfo:
+    return tiles.token_info([ref[f, cols][None, :] for f in range(4)])
+
+
+def _run_table(run, tiles_axis: int) -> Array:
+    """The skip table `[batch, rows, steps]` padded along steps to a power of two
+    (Triton's block shapes), the padding not run."""
+    return tiles.pad_axis(run, 2, _pow2(run.shape[2]))
 
 
 def _forward_kernel(
@@ -48,31 +60,30 @@ def _forward_kernel(
     v_ref,
     q_rec_ref,
     k_rec_ref,
+    run_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     block_kv: int,
     num_kv: int,
 ):
-    *leaf_refs, o_ref, lse_ref = refs
-    mask, score_mod = rebuild(leaf_refs)
-    if score_mod is not None:
-        score_mod = score_mod.for_head(pl.program_id(1))
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
+    o_ref, lse_ref = refs[-2:]
+    mask, score_mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
     q = q_ref[...]
-    qi = _q_info(q_rec_ref[...])
-    qs = BlockSummary.of(qi)
+    qi = _q_info(q_rec_ref)
 
     def body(j, acc):
         kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-        ki = _k_info(k_rec_ref[:, kv])
-        ks = BlockSummary.of(ki)
+        ki = _k_info(k_rec_ref, kv)
 
         def update(acc):
             s, _ = tiles.logits(q, k_ref[kv, :], qi, ki, score_mod, scale)
             return acc.update(s, tiles.allowed(mask, qi, ki), v_ref[kv, :])
 
-        run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
-        return jax.lax.cond(run, update, lambda acc: acc, acc)
+        return jax.lax.cond(run_ref[j] != 0, update, lambda acc: acc, acc)
 
     init = tiles.Softmax.init(q.shape[0], q.shape[1])
     out, lse = jax.lax.fori_loop(0, num_kv, body, init).finish()
@@ -89,25 +100,24 @@ def _dq_kernel(
     delta_ref,
     q_rec_ref,
     k_rec_ref,
+    run_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     block_kv: int,
     num_kv: int,
 ):
-    *leaf_refs, dq_ref = refs
-    mask, score_mod = rebuild(leaf_refs)
-    if score_mod is not None:
-        score_mod = score_mod.for_head(pl.program_id(1))
+    mask_refs, mod_refs, dq_ref = refs[:num_mask], refs[num_mask:-1], refs[-1]
+    mask, score_mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
     q, d_out = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    qi = _q_info(q_rec_ref[...])
-    qs = BlockSummary.of(qi)
+    qi = _q_info(q_rec_ref)
 
     def body(j, dq):
         kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-        ki = _k_info(k_rec_ref[:, kv])
-        ks = BlockSummary.of(ki)
+        ki = _k_info(k_rec_ref, kv)
 
         def grads(dq):
             k = k_ref[kv, :]
@@ -116,8 +126,7 @@ def _dq_kernel(
             )
             return dq + tiles.matmul(ds.astype(k.dtype), k)
 
-        run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
-        return jax.lax.cond(run, grads, lambda dq: dq, dq)
+        return jax.lax.cond(run_ref[j] != 0, grads, lambda dq: dq, dq)
 
     dq_ref[...] = jax.lax.fori_loop(0, num_kv, body, jnp.zeros(q.shape, jnp.float32))
 
@@ -131,33 +140,34 @@ def _dkv_kernel(
     delta_ref,
     q_rec_ref,
     k_rec_ref,
+    run_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     block_q: int,
     num_q: int,
     groups: int,
 ):
-    *leaf_refs, dk_ref, dv_ref = refs
-    mask, score_mod = rebuild(leaf_refs)
-    # Read at the top level: the interpreter cannot see program ids inside loops.
-    kv_head = pl.program_id(1)
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
+    dk_ref, dv_ref = refs[-2:]
+    mask = rebuild_mask(mask_refs)
     k, v = k_ref[...], v_ref[...]
-    ki = _k_info(k_rec_ref[...])
-    ks = BlockSummary.of(ki)
+    ki = _k_info(k_rec_ref)
 
     def body(t, carry):
         # One loop over (query head of this kv head's group, query tile).
-        g, i = t // num_q, t % num_q
+        # lax's div/rem of nonnegative ints: jnp's floor division lowers to a `rem`
+        # of mixed int and bool operands, which Triton's lowering rejects.
+        g, i = jax.lax.div(t, num_q), jax.lax.rem(t, num_q)
         qb = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-        qi = _q_info(q_rec_ref[:, qb])
-        qs = BlockSummary.of(qi)
+        qi = _q_info(q_rec_ref, qb)
 
         def grads(carry):
             dk, dv = carry
-            mod = score_mod
-            if mod is not None:
-                mod = mod.for_head(kv_head * groups + g)
+            # The refs hold the modifier rows of this kv head's `groups` query heads.
+            mod = rebuild_mod(mod_refs, g)
             q, d_out = q_ref[g, qb, :], do_ref[g, qb, :]
             lse, delta = lse_ref[g, qb][:, None], delta_ref[g, qb][:, None]
             p, ds = tiles.tile_grads(
@@ -167,8 +177,7 @@ def _dkv_kernel(
             dk = dk + tiles.matmul_tn(ds.astype(q.dtype), q)
             return dk, dv
 
-        run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
-        return jax.lax.cond(run, grads, lambda c: c, carry)
+        return jax.lax.cond(run_ref[i] != 0, grads, lambda c: c, carry)
 
     zero = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, groups * num_q, body, (zero, zero))
@@ -227,13 +236,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     f"tiles); got {value!r}."
                 )
 
-    def _check(self, q, k, v) -> None:
-        if not self.interpret and jax.default_backend() != "gpu":
-            raise ValueError(
-                "PallasGpuKernel(interpret=False) compiles with Triton and needs a "
-                f"GPU; JAX's backend is {jax.default_backend()!r}. Pass interpret=True "
-                "to run it in the Pallas interpreter, or use XlaKernel."
-            )
+    def devices(self) -> frozenset[str]:
+        return frozenset({"cpu", "gpu", "tpu"} if self.interpret else {"gpu"})
+
+    def _check(self, q, k, v, mask, score_mod) -> Array:
+        """Trace-time checks; returns `q` behind the lowering-time platform check."""
         tiles.check_inputs(
             "PallasGpuKernel",
             q,
@@ -242,6 +249,12 @@ class PallasGpuKernel(AbstractAttentionKernel):
             _DTYPES,
             _head_dim_ok,
             "a power of two from 16 to 256",
+        )
+        if self.interpret:
+            return q
+        tiles.check_lowerable(mask, score_mod, "PallasGpuKernel", "GPU", "Triton")
+        return tiles.platform_check(
+            q, "PallasGpuKernel", ("cuda", "rocm"), "GPU", "Triton"
         )
 
     def _params(self, head_dim: int):
@@ -263,22 +276,30 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
-        self._check(q, k, v)
+        q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
             b, h, q_len, d = q.shape
             kh, kv_len = k.shape[1], k.shape[2]
             g = h // kh
             bq, bk = _block(self.block_q, q_len), _block(self.block_kv, kv_len)
             lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            leaves, rebuild = tiles.split_operands(mask, score_mod)
+            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
+            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
+            run = _run_table(run, 2)
             kernel = functools.partial(
                 _forward_kernel,
-                rebuild=rebuild,
+                rebuild_mask=rebuild_mask,
+                rebuild_mod=rebuild_mod,
+                num_mask=len(mask_leaves),
                 scale=scale,
                 block_kv=bk,
                 num_kv=lk // bk,
             )
-            whole = tiles.whole_array_specs(leaves)
+            leaf_specs = [
+                *tiles.whole_array_specs(mask_leaves),
+                *tiles.head_specs(mod_leaves, lambda b, h, i: h),
+            ]
             out, lse = pl.pallas_call(
                 kernel,
                 grid=(b, h, lq // bq),
@@ -292,7 +313,10 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     ),
                     pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
                     pl.BlockSpec((None, 4, lk), lambda b, h, i: (b, 0, 0)),
-                    *whole,
+                    pl.BlockSpec(
+                        (None, None, run.shape[2]), lambda b, h, i: (b, i, 0)
+                    ),
+                    *leaf_specs,
                 ],
                 out_specs=[
                     pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
@@ -311,7 +335,9 @@ class PallasGpuKernel(AbstractAttentionKernel):
                 tiles.pad_axis(v, 2, lk),
                 tiles.records(q_info, lq),
                 tiles.records(kv_info, lk),
-                *leaves,
+                run,
+                *mask_leaves,
+                *mod_leaves,
             )
             return out[:, :, :q_len], lse[:, :, :q_len]
 
@@ -333,27 +359,36 @@ class PallasGpuKernel(AbstractAttentionKernel):
         Float[Array, "batch kv_heads kv_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
-        self._check(q, k, v)
+        q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
             b, h, q_len, d = q.shape
             kh, kv_len = k.shape[1], k.shape[2]
             g = h // kh
             bq, bk = _block(self.block_q, q_len), _block(self.block_kv, kv_len)
             lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            leaves, rebuild = tiles.split_operands(mask, score_mod)
-            whole = tiles.whole_array_specs(leaves)
+            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
+            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
+            whole = tiles.whole_array_specs(mask_leaves)
+            operands = dict(
+                rebuild_mask=rebuild_mask,
+                rebuild_mod=rebuild_mod,
+                num_mask=len(mask_leaves),
+                scale=scale,
+            )
             lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
             qp, dop = (tiles.pad_axis(x, 2, lq) for x in (q, d_out.astype(q.dtype)))
             lse_p, delta_p = (tiles.pad_axis(x, 2, lq) for x in (lse, delta))
             kp, vp = (tiles.pad_axis(x, 2, lk) for x in (k, v))
             q_rec, k_rec = tiles.records(q_info, lq), tiles.records(kv_info, lk)
-            inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec, *leaves)
+            inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec)
+            run_q = _run_table(run, 2)
+            run_k = _run_table(jnp.swapaxes(run, 1, 2), 2)
 
             dq = pl.pallas_call(
                 functools.partial(
                     _dq_kernel,
-                    rebuild=rebuild,
-                    scale=scale,
+                    **operands,
                     block_kv=bk,
                     num_kv=lk // bk,
                 ),
@@ -371,7 +406,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
                     pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
                     pl.BlockSpec((None, 4, lk), lambda b, h, i: (b, 0, 0)),
+                    pl.BlockSpec(
+                        (None, None, run_q.shape[2]), lambda b, h, i: (b, i, 0)
+                    ),
                     *whole,
+                    *tiles.head_specs(mod_leaves, lambda b, h, i: h),
                 ],
                 out_specs=pl.BlockSpec(
                     (None, None, bq, d), lambda b, h, i: (b, h, i, 0)
@@ -380,14 +419,13 @@ class PallasGpuKernel(AbstractAttentionKernel):
                 compiler_params=self._params(d),
                 interpret=self.interpret,
                 name="ringeqx_gpu_flash_backward_dq",
-            )(*inputs)
+            )(*inputs, run_q, *mask_leaves, *mod_leaves)
 
             # The query heads of kv head `j` are `j * g, ..., j * g + g - 1`: one block.
             dk, dv = pl.pallas_call(
                 functools.partial(
                     _dkv_kernel,
-                    rebuild=rebuild,
-                    scale=scale,
+                    **operands,
                     block_q=bq,
                     num_q=lq // bq,
                     groups=g,
@@ -402,7 +440,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     pl.BlockSpec((None, g, lq), lambda b, j, t: (b, j, 0)),
                     pl.BlockSpec((None, 4, lq), lambda b, j, t: (b, 0, 0)),
                     pl.BlockSpec((None, 4, bk), lambda b, j, t: (b, 0, t)),
+                    pl.BlockSpec(
+                        (None, None, run_k.shape[2]), lambda b, j, t: (b, t, 0)
+                    ),
                     *whole,
+                    *tiles.head_specs(mod_leaves, lambda b, j, t: j, rows=g),
                 ],
                 out_specs=[
                     pl.BlockSpec((None, None, bk, d), lambda b, j, t: (b, j, t, 0)),
@@ -412,5 +454,5 @@ class PallasGpuKernel(AbstractAttentionKernel):
                 compiler_params=self._params(d),
                 interpret=self.interpret,
                 name="ringeqx_gpu_flash_backward_dkv",
-            )(*inputs)
+            )(*inputs, run_k, *mask_leaves, *mod_leaves)
             return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]

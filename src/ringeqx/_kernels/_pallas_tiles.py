@@ -7,19 +7,22 @@ out the grid, load tiles and keep their accumulators. The dense reference for al
 is `XlaKernel` (`_xla.py`), which the contract tests compare against.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Int
 
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
+from .._tokens import BlockSummary, TokenInfo
 
 
 # Row order of the int32 token records that the kernels receive.
@@ -62,6 +65,49 @@ def token_info(rows: Sequence[Array]) -> TokenInfo:
     return TokenInfo(positions, segments, spans, valid != 0)
 
 
+# An identity on one kernel input whose *lowering* checks the platform. Which platform a
+# program is for is only known when it is lowered (`jax.export` lowers for "cuda" or "tpu"
+# on a CPU-only machine; `jit` lowers for the default backend), so a check at trace time
+# (`jax.default_backend()`) would refuse programs that are never meant to run here.
+_platform_check_p = jax.extend.core.Primitive("ringeqx_platform_check")
+# Applied eagerly, it still lowers (for the default backend), so the check runs there too.
+_platform_check_p.def_impl(
+    lambda x, **params: jax.jit(functools.partial(_platform_check_p.bind, **params))(x)
+)
+_platform_check_p.def_abstract_eval(lambda x, **_: x)
+ad.deflinear2(_platform_check_p, lambda ct, x, **_: [ct])
+batching.defvectorized(_platform_check_p)
+
+
+def _platform_check_lowering(ctx, x, *, kernel_name, platforms, device, compiler):
+    lowering = tuple(ctx.module_context.platforms)
+    wrong = [p for p in lowering if p not in platforms]
+    if wrong:
+        raise ValueError(
+            f"{kernel_name}(interpret=False) compiles with {compiler} and needs a "
+            f"{device}; this program is being lowered for platform {wrong[0]!r}. Pass "
+            "interpret=True to run it in the Pallas interpreter, or use XlaKernel."
+        )
+    return [x]
+
+
+mlir.register_lowering(_platform_check_p, _platform_check_lowering)
+
+
+def platform_check(
+    x: Array, kernel_name: str, platforms: tuple[str, ...], device: str, compiler: str
+) -> Array:
+    """`x`, unchanged; lowering it for a platform outside `platforms` (the JAX platform
+    names the kernel compiles for) is a clear error naming the kernel and `device`."""
+    return _platform_check_p.bind(
+        x,
+        kernel_name=kernel_name,
+        platforms=platforms,
+        device=device,
+        compiler=compiler,
+    )
+
+
 def check_inputs(
     kernel_name: str,
     q: Array,
@@ -91,42 +137,187 @@ def check_inputs(
         )
 
 
-def split_operands(
-    mask: AbstractMask, score_mod: AbstractScoreMod | None
-) -> tuple[list[Array], Callable[[Sequence[Any]], tuple[AbstractMask, Any]]]:
-    """Split the mask and score modifier of a call for a `pallas_call`.
-
-    A kernel body may not close over traced arrays, so the array leaves of the two
-    pytrees (a block-sparse table, ALiBi slopes, a softcap traced by the ring) become
-    whole-array kernel inputs and the rest stays static. Leaves are passed with at least
-    one dimension and booleans as int32 (Triton and Mosaic load neither 0-d nor boolean
-    refs).
-
-    **Returns:** `(leaves, rebuild)`: the kernel inputs, and a function of their refs
-    (inside the kernel) that gives back `(mask, score_mod)`.
-    """
-    dynamic, static = eqx.partition((mask, score_mod), eqx.is_array)
+def _kernel_leaves(tree: Any) -> tuple[list[Array], Callable[[Sequence[Array]], Any]]:
+    """Split a pytree into array leaves (booleans as int32: Triton and Mosaic load no
+    boolean refs) and a function that rebuilds it from loaded leaves."""
+    dynamic, static = eqx.partition(tree, eqx.is_array)
     values, treedef = jax.tree.flatten(dynamic)
-    shapes = [jnp.shape(x) for x in values]
     dtypes = [jnp.asarray(x).dtype for x in values]
     leaves = [
-        jnp.atleast_1d(jnp.asarray(x, jnp.int32 if d == jnp.bool_ else d))
-        for x, d in zip(values, dtypes)
+        jnp.asarray(x, jnp.int32 if d == jnp.bool_ else d) for x, d in zip(values, dtypes)
     ]
 
-    def rebuild(refs: Sequence[Any]) -> tuple[AbstractMask, Any]:
-        loaded = [
-            ref[...].reshape(shape).astype(dtype)
-            for ref, shape, dtype in zip(refs, shapes, dtypes)
-        ]
+    def rebuild(loaded: Sequence[Array]) -> Any:
+        loaded = [x.astype(d) for x, d in zip(loaded, dtypes)]
         return eqx.combine(jax.tree.unflatten(treedef, loaded), static)
 
     return leaves, rebuild
 
 
+def mask_operands(
+    mask: AbstractMask,
+) -> tuple[list[Array], Callable[[Sequence[Any]], AbstractMask]]:
+    """The array leaves of a mask (a prefix length, a block map) as whole-array kernel
+    inputs, at least 1-D (Triton and Mosaic load no 0-d refs): a kernel body may not close
+    over traced arrays.
+
+    **Returns:** `(leaves, rebuild)`: the kernel inputs, and a function of their refs
+    (inside the kernel) that gives back the mask.
+    """
+    values, rebuild = _kernel_leaves(mask)
+    shapes = [x.shape for x in values]
+    leaves = [jnp.atleast_1d(x) for x in values]
+
+    def from_refs(refs: Sequence[Any]) -> AbstractMask:
+        return rebuild([r[...].reshape(s) for r, s in zip(refs, shapes)])
+
+    return leaves, from_refs
+
+
+def head_operands(
+    score_mod: AbstractScoreMod | None, heads: int
+) -> tuple[list[Array], Callable[..., AbstractScoreMod | None]]:
+    """The score modifier of every query head, as kernel inputs with a leading heads axis.
+
+    `score_mod.for_head` runs here, outside the kernel, for all heads at once (`vmap`):
+    each leaf becomes `[heads, 1, 1, *shape]`, and a block spec hands a program its own
+    head's row. The kernel then never slices per-head parameters (ALiBi slopes) by a
+    traced head index, which neither Triton nor Mosaic lowers (`dynamic_slice`).
+
+    **Returns:** `(leaves, rebuild)`: the kernel inputs, and a function of their refs,
+    `rebuild(refs, group=None)`, that gives back the one-head modifier; with `group`,
+    each ref holds the rows of several heads and row `group` is used.
+    """
+    if score_mod is None:
+        return [], lambda refs, group=None: None
+    per_head = jax.vmap(score_mod.for_head)(jnp.arange(heads, dtype=jnp.int32))
+    values, rebuild = _kernel_leaves(per_head)
+    shapes = [x.shape[1:] for x in values]
+    # Two unit axes after heads: Mosaic wants a block's last two dims whole.
+    leaves = [x.reshape((heads, 1, 1) + x.shape[1:]) for x in values]
+
+    def from_refs(refs: Sequence[Any], group=None) -> AbstractScoreMod:
+        rows = [r[...] if group is None else r[group] for r in refs]
+        return rebuild([x.reshape(s) for x, s in zip(rows, shapes)])
+
+    return leaves, from_refs
+
+
 def whole_array_specs(leaves: Sequence[Array]) -> list[Any]:
     """Block specs that hand each leaf to every program whole."""
     return [pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in leaves]
+
+
+def head_specs(
+    leaves: Sequence[Array], head: Callable[..., Any], rows: int | None = None
+) -> list[Any]:
+    """Block specs that hand a program the rows of `head_operands` leaves for head
+    `head(*grid_indices)` (one row, squeezed), or `rows` consecutive rows from block
+    `head(...)` on."""
+    return [
+        pl.BlockSpec(
+            (rows, *x.shape[1:]),
+            lambda *idx, n=x.ndim: (head(*idx),) + (0,) * (n - 1),
+        )
+        for x in leaves
+    ]
+
+
+def tile_table(
+    mask: AbstractMask,
+    q_info: TokenInfo,
+    kv_info: TokenInfo,
+    q_len: int,
+    block_q: int,
+    kv_len: int,
+    block_kv: int,
+) -> Int[Array, "batch q_tiles kv_tiles"]:
+    """`int32[batch, q_tiles, kv_tiles]`: 1 where a query tile and a key tile may have an
+    attending pair (the mask's block rule on the two tiles' summaries, and both tiles
+    hold a valid token), 0 where the kernels skip the pair.
+
+    It is computed here, outside the kernels, for every pair at once, so that a block
+    rule may use anything XLA can run (`BlockSparse` sums its block map with `cumsum`),
+    and the kernels only read one integer per tile.
+    """
+
+    def summaries(info, length, block):
+        rows = [
+            r.reshape(r.shape[0], length // block, block)
+            for r in jnp.unstack(records(info, length), axis=1)
+        ]
+        return BlockSummary.of(token_info(rows), axis=2)
+
+    qs = jax.tree.map(lambda x: x[:, :, None], summaries(q_info, q_len, block_q))
+    ks = jax.tree.map(lambda x: x[:, None, :], summaries(kv_info, kv_len, block_kv))
+    run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+    return run.astype(jnp.int32)
+
+
+def resident_blocks(run: Int[Array, "*rows steps"]) -> Int[Array, "*rows steps"]:
+    """Which block each step of a sequential sweep should fetch, given which steps run.
+
+    A step that runs fetches its own block; a skipped step fetches the block already
+    resident (the last one that ran, or before any ran the first that will), so the
+    pipeline sees an unchanged block index and copies nothing (splash attention's trick).
+    """
+    steps = jnp.arange(run.shape[-1], dtype=jnp.int32)
+    ran = jax.lax.cummax(jnp.where(run != 0, steps, -1), axis=run.ndim - 1)
+    first = jnp.argmax(run != 0, axis=-1, keepdims=True).astype(jnp.int32)
+    return jnp.where(ran >= 0, ran, first)
+
+
+# Primitives that neither Triton's nor Mosaic's lowering has for tile values.
+_UNLOWERABLE = ("gather", "cumsum", "cummax", "cumprod", "cumlogsumexp", "sort")
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def check_lowerable(
+    mask: AbstractMask,
+    score_mod: AbstractScoreMod | None,
+    kernel_name: str,
+    device: str,
+    compiler: str,
+) -> None:
+    """Trace-time check that the mask's elementwise rule and the modifier, as a kernel
+    evaluates them on a tile, use no primitive that `compiler` cannot lower.
+
+    A `BlockSparse` mask looks its block map up per token pair (a `gather`); a
+    user's mask may do the same. Tracing the rule once on a small tile finds that here,
+    with a message that names the feature, instead of deep inside the lowering.
+    """
+    qi = token_info([jnp.zeros((8, 1), jnp.int32)] * 4)
+    ki = token_info([jnp.zeros((1, 128), jnp.int32)] * 4)
+    parts = [("mask", type(mask).__name__, lambda: allowed(mask, qi, ki))]
+    if score_mod is not None:
+        one = jax.vmap(score_mod.for_head)(jnp.arange(1, dtype=jnp.int32))
+        one = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, one)
+        q, k = jnp.zeros((8, 64), jnp.float32), jnp.zeros((128, 64), jnp.float32)
+        parts.append(
+            (
+                "score_mod",
+                type(score_mod).__name__,
+                lambda: logits(q, k, qi, ki, one, 1.0)[0],
+            )
+        )
+    for what, name, fn in parts:
+        used = _primitives(jax.make_jaxpr(fn)().jaxpr)
+        bad = sorted(used.intersection(_UNLOWERABLE))
+        if bad:
+            raise ValueError(
+                f"{kernel_name}(interpret=False) cannot run {what} {name} on a "
+                f"{device}: evaluated on a tile it uses {', '.join(bad)}, which "
+                f"{compiler} cannot lower. Use XlaKernel (kernel='xla'), which runs "
+                f"{name} on every device, or interpret=True."
+            )
 
 
 def allowed(mask: AbstractMask, qi: TokenInfo, ki: TokenInfo) -> Array:

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
-from .._tokens import BlockSummary, TokenInfo
+from .._tokens import TokenInfo
 from . import _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel
 
@@ -21,31 +21,38 @@ _DTYPES = ("bfloat16", "float32")
 # A vreg is 8 sublanes x 128 lanes: the last two dims of a block are multiples of these.
 _LANES = 128
 _SUBLANES = 8
-_SUMMARY_FIELDS = 7
 
 
 def _head_dim_ok(d: int) -> bool:
     return d == 64 or (d > 0 and d % _LANES == 0)
 
 
-def _tile_summaries(info: TokenInfo, length: int, block: int) -> Int[Array, " n"]:
-    """Block summaries of every tile, flattened to `int32[batch * tiles * 7]` for SMEM
-    (scalar prefetch), so that the skip test is scalar work."""
-    rec = tiles.records(info, length)
-    b = rec.shape[0]
-    rows = [r.reshape(b, length // block, block) for r in jnp.unstack(rec, axis=1)]
-    s = BlockSummary.of(tiles.token_info(rows), axis=2)
-    fields = (s.pos_min, s.pos_max, s.seg_min, s.seg_max, s.span_min, s.span_max)
-    out = jnp.stack([*fields, s.any_valid.astype(jnp.int32)], axis=-1)
-    return out.reshape(-1)
+def kv_index_map(groups: int, num_q: int, num_kv: int):
+    """Index map of K, V and key records in the forward and dQ grids `(batch, head,
+    query tile, key tile)`: key tile `j`, or for a skipped tile the block already
+    resident (`fetch`, from `resident_blocks`), so that it is not copied again."""
+
+    def index_map(b, h, i, j, run_ref, fetch_ref):
+        return b, h // groups, fetch_ref[(b * num_q + i) * num_kv + j], 0
+
+    return index_map
 
 
-def _summary(ref, tile) -> BlockSummary:
-    base = tile * _SUMMARY_FIELDS
-    lo, hi, seg_lo, seg_hi, span_lo, span_hi, valid = (
-        ref[base + f] for f in range(_SUMMARY_FIELDS)
-    )
-    return BlockSummary(lo, hi, seg_lo, seg_hi, span_lo, span_hi, valid != 0)
+def q_index_map(groups: int, num_q: int, num_kv: int):
+    """Index map of Q, dO, lse and delta in the dK/dV grid `(batch, kv head, key tile,
+    query head in the group, query tile)`: query tile `i` of head `j * groups + gi`, or
+    for a skipped tile the block already resident."""
+
+    def index_map(b, j, t, gi, i, run_ref, fetch_ref):
+        return b, j * groups + gi, fetch_ref[(b * num_kv + t) * num_q + i], 0
+
+    return index_map
+
+
+def tile_plan(run: Int[Array, "batch rows steps"]) -> tuple[Array, Array]:
+    """`(run, fetch)` flattened to int32 for SMEM (scalar prefetch): whether each grid
+    step computes, and which block it fetches along the sequential axis."""
+    return run.reshape(-1), tiles.resident_blocks(run).reshape(-1)
 
 
 def _q_records(info: TokenInfo, length: int) -> Array:
@@ -62,11 +69,11 @@ def _k_records(info: TokenInfo, length: int) -> Array:
 
 
 def _q_info(ref) -> TokenInfo:
-    return tiles.token_info([ref[f][:, :1] for f in range(4)])
+    return tiles.token_info([ref[f, :, :1] for f in range(4)])
 
 
 def _k_info(ref) -> TokenInfo:
-    return tiles.token_info([ref[f][:1, :] for f in range(4)])
+    return tiles.token_info([ref[f, :1, :] for f in range(4)])
 
 
 def _lanes(x: Array) -> Array:
@@ -75,22 +82,25 @@ def _lanes(x: Array) -> Array:
 
 
 def _forward_kernel(
-    q_sum_ref,
-    k_sum_ref,
+    run_ref,
+    fetch_ref,
     q_ref,
     k_ref,
     v_ref,
     q_rec_ref,
     k_rec_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     num_q: int,
     num_kv: int,
 ):
-    *leaf_refs, o_ref, lse_ref, m_ref, total_ref, acc_ref = refs
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-5]
+    o_ref, lse_ref, m_ref, total_ref, acc_ref = refs[-5:]
     b, h, i, j = (pl.program_id(a) for a in range(4))
-    mask, score_mod = rebuild(leaf_refs)
+    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
 
     @pl.when(j == 0)
     def _init():
@@ -98,12 +108,8 @@ def _forward_kernel(
         total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    qs = _summary(q_sum_ref, b * num_q + i)
-    ks = _summary(k_sum_ref, b * num_kv + j)
-
-    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    @pl.when(run_ref[(b * num_q + i) * num_kv + j] != 0)
     def _update():
-        mod = None if score_mod is None else score_mod.for_head(h)
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
         acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
@@ -120,8 +126,8 @@ def _forward_kernel(
 
 
 def _dq_kernel(
-    q_sum_ref,
-    k_sum_ref,
+    run_ref,
+    fetch_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -131,25 +137,24 @@ def _dq_kernel(
     q_rec_ref,
     k_rec_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     num_q: int,
     num_kv: int,
 ):
-    *leaf_refs, dq_ref, dq_acc = refs
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
+    dq_ref, dq_acc = refs[-2:]
     b, h, i, j = (pl.program_id(a) for a in range(4))
-    mask, score_mod = rebuild(leaf_refs)
+    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
 
     @pl.when(j == 0)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    qs = _summary(q_sum_ref, b * num_q + i)
-    ks = _summary(k_sum_ref, b * num_kv + j)
-
-    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    @pl.when(run_ref[(b * num_q + i) * num_kv + j] != 0)
     def _grads():
-        mod = None if score_mod is None else score_mod.for_head(h)
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         k = k_ref[...]
         _, ds = tiles.tile_grads(
@@ -173,8 +178,8 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    q_sum_ref,
-    k_sum_ref,
+    run_ref,
+    fetch_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -184,15 +189,19 @@ def _dkv_kernel(
     q_rec_ref,
     k_rec_ref,
     *refs,
-    rebuild,
+    rebuild_mask,
+    rebuild_mod,
+    num_mask: int,
     scale: float,
     num_q: int,
     num_kv: int,
     groups: int,
 ):
-    *leaf_refs, dk_ref, dv_ref, dk_acc, dv_acc = refs
-    b, kv_head, t, g, i = (pl.program_id(a) for a in range(5))
-    mask, score_mod = rebuild(leaf_refs)
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-4]
+    dk_ref, dv_ref, dk_acc, dv_acc = refs[-4:]
+    b, t, i = pl.program_id(0), pl.program_id(2), pl.program_id(4)
+    g = pl.program_id(3)
+    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
     first = (g == 0) & (i == 0)
     last = (g == groups - 1) & (i == num_q - 1)
 
@@ -201,12 +210,8 @@ def _dkv_kernel(
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    qs = _summary(q_sum_ref, b * num_q + i)
-    ks = _summary(k_sum_ref, b * num_kv + t)
-
-    @pl.when(qs.any_valid & ks.any_valid & mask.may_attend(qs, ks))
+    @pl.when(run_ref[(b * num_kv + t) * num_q + i] != 0)
     def _grads():
-        mod = None if score_mod is None else score_mod.for_head(kv_head * groups + g)
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         q, d_out = q_ref[...], do_ref[...]
         p, ds = tiles.tile_grads(
@@ -278,16 +283,18 @@ class PallasTpuKernel(AbstractAttentionKernel):
                     f"{multiple} (TPU vreg tiles); got {value!r}."
                 )
 
-    def _check(self, q, k, v) -> None:
-        if not self.interpret and jax.default_backend() != "tpu":
-            raise ValueError(
-                "PallasTpuKernel(interpret=False) compiles with Mosaic and needs a "
-                f"TPU; JAX's backend is {jax.default_backend()!r}. Pass interpret=True "
-                "to run it in the Pallas interpreter, or use XlaKernel."
-            )
+    def devices(self) -> frozenset[str]:
+        return frozenset({"cpu", "gpu", "tpu"} if self.interpret else {"tpu"})
+
+    def _check(self, q, k, v, mask, score_mod) -> Array:
+        """Trace-time checks; returns `q` behind the lowering-time platform check."""
         tiles.check_inputs(
             "PallasTpuKernel", q, k, v, _DTYPES, _head_dim_ok, "64 or a multiple of 128"
         )
+        if self.interpret:
+            return q
+        tiles.check_lowerable(mask, score_mod, "PallasTpuKernel", "TPU", "Mosaic")
+        return tiles.platform_check(q, "PallasTpuKernel", ("tpu",), "TPU", "Mosaic")
 
     def _blocks(self, q_len: int, kv_len: int) -> tuple[int, int]:
         return (
@@ -308,7 +315,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
-        self._check(q, k, v)
+        q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
             b, h, q_len, d = q.shape
             kh, kv_len = k.shape[1], k.shape[2]
@@ -316,14 +323,16 @@ class PallasTpuKernel(AbstractAttentionKernel):
             bq, bk = self._blocks(q_len, kv_len)
             lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
             nq, nk = lq // bq, lk // bk
-            leaves, rebuild = tiles.split_operands(mask, score_mod)
-            whole = tiles.whole_array_specs(leaves)
+            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
+            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
+            kv_map = kv_index_map(g, nq, nk)
 
             def q_map(b, h, i, j, *_):
                 return b, h, i, 0
 
-            def kv_map(b, h, i, j, *_):
-                return b, h // g, j, 0
+            def k_rec_map(b, h, i, j, *prefetch):
+                return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
 
             grid_spec = pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2,
@@ -335,10 +344,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
                     pl.BlockSpec(
                         (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
                     ),
-                    pl.BlockSpec(
-                        (None, 4, _SUBLANES, bk), lambda b, h, i, j, *_: (b, 0, 0, j)
-                    ),
-                    *whole,
+                    pl.BlockSpec((None, 4, _SUBLANES, bk), k_rec_map),
+                    *tiles.whole_array_specs(mask_leaves),
+                    *tiles.head_specs(mod_leaves, lambda b, h, i, j, *_: h),
                 ],
                 out_specs=[
                     pl.BlockSpec((None, None, bq, d), q_map),
@@ -352,7 +360,13 @@ class PallasTpuKernel(AbstractAttentionKernel):
             )
             out, lse = pl.pallas_call(
                 functools.partial(
-                    _forward_kernel, rebuild=rebuild, scale=scale, num_q=nq, num_kv=nk
+                    _forward_kernel,
+                    rebuild_mask=rebuild_mask,
+                    rebuild_mod=rebuild_mod,
+                    num_mask=len(mask_leaves),
+                    scale=scale,
+                    num_q=nq,
+                    num_kv=nk,
                 ),
                 grid_spec=grid_spec,
                 out_shape=[
@@ -370,14 +384,14 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 interpret=self.interpret,
                 name="ringeqx_tpu_flash_forward",
             )(
-                _tile_summaries(q_info, lq, bq),
-                _tile_summaries(kv_info, lk, bk),
+                *tile_plan(run),
                 tiles.pad_axis(q, 2, lq),
                 tiles.pad_axis(k, 2, lk),
                 tiles.pad_axis(v, 2, lk),
                 _q_records(q_info, lq),
                 _k_records(kv_info, lk),
-                *leaves,
+                *mask_leaves,
+                *mod_leaves,
             )
             return out[:, :, :q_len], lse[:, :, :q_len, 0]
 
@@ -399,7 +413,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         Float[Array, "batch kv_heads kv_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
-        self._check(q, k, v)
+        q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
             b, h, q_len, d = q.shape
             kh, kv_len = k.shape[1], k.shape[2]
@@ -407,8 +421,18 @@ class PallasTpuKernel(AbstractAttentionKernel):
             bq, bk = self._blocks(q_len, kv_len)
             lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
             nq, nk = lq // bq, lk // bk
-            leaves, rebuild = tiles.split_operands(mask, score_mod)
-            whole = tiles.whole_array_specs(leaves)
+            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
+            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
+            whole = tiles.whole_array_specs(mask_leaves)
+            operands = dict(
+                rebuild_mask=rebuild_mask,
+                rebuild_mod=rebuild_mod,
+                num_mask=len(mask_leaves),
+                scale=scale,
+                num_q=nq,
+                num_kv=nk,
+            )
             lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
 
             def rows(x):
@@ -417,8 +441,6 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 )
 
             inputs = (
-                _tile_summaries(q_info, lq, bq),
-                _tile_summaries(kv_info, lk, bk),
                 tiles.pad_axis(q, 2, lq),
                 tiles.pad_axis(k, 2, lk),
                 tiles.pad_axis(v, 2, lk),
@@ -427,19 +449,18 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 rows(delta),
                 _q_records(q_info, lq),
                 _k_records(kv_info, lk),
-                *leaves,
             )
+            leaves = (*mask_leaves, *mod_leaves)
+            kv_map = kv_index_map(g, nq, nk)
 
             def q_map(b, h, i, j, *_):
                 return b, h, i, 0
 
-            def kv_map(b, h, i, j, *_):
-                return b, h // g, j, 0
+            def k_rec_map(b, h, i, j, *prefetch):
+                return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
 
             dq = pl.pallas_call(
-                functools.partial(
-                    _dq_kernel, rebuild=rebuild, scale=scale, num_q=nq, num_kv=nk
-                ),
+                functools.partial(_dq_kernel, **operands),
                 grid_spec=pltpu.PrefetchScalarGridSpec(
                     num_scalar_prefetch=2,
                     grid=(b, h, nq, nk),
@@ -453,11 +474,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
                         pl.BlockSpec(
                             (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
                         ),
-                        pl.BlockSpec(
-                            (None, 4, _SUBLANES, bk),
-                            lambda b, h, i, j, *_: (b, 0, 0, j),
-                        ),
+                        pl.BlockSpec((None, 4, _SUBLANES, bk), k_rec_map),
                         *whole,
+                        *tiles.head_specs(mod_leaves, lambda b, h, i, j, *_: h),
                     ],
                     out_specs=pl.BlockSpec((None, None, bq, d), q_map),
                     scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
@@ -473,24 +492,19 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 ),
                 interpret=self.interpret,
                 name="ringeqx_tpu_flash_backward_dq",
-            )(*inputs)
+            )(*tile_plan(run), *inputs, *leaves)
 
             # Grid (batch, kv head, key tile, query head in the group, query tile).
-            def gq_map(b, j, t, gi, i, *_):
-                return b, j * g + gi, i, 0
+            gq_map = q_index_map(g, nq, nk)
+
+            def q_rec_map(b, j, t, gi, i, *prefetch):
+                return b, 0, gq_map(b, j, t, gi, i, *prefetch)[2], 0
 
             def k_map(b, j, t, gi, i, *_):
                 return b, j, t, 0
 
             dk, dv = pl.pallas_call(
-                functools.partial(
-                    _dkv_kernel,
-                    rebuild=rebuild,
-                    scale=scale,
-                    num_q=nq,
-                    num_kv=nk,
-                    groups=g,
-                ),
+                functools.partial(_dkv_kernel, **operands, groups=g),
                 grid_spec=pltpu.PrefetchScalarGridSpec(
                     num_scalar_prefetch=2,
                     grid=(b, kh, nk, g, nq),
@@ -501,15 +515,15 @@ class PallasTpuKernel(AbstractAttentionKernel):
                         pl.BlockSpec((None, None, bq, d), gq_map),
                         pl.BlockSpec((None, None, bq, _LANES), gq_map),
                         pl.BlockSpec((None, None, bq, _LANES), gq_map),
-                        pl.BlockSpec(
-                            (None, 4, bq, _LANES),
-                            lambda b, j, t, gi, i, *_: (b, 0, i, 0),
-                        ),
+                        pl.BlockSpec((None, 4, bq, _LANES), q_rec_map),
                         pl.BlockSpec(
                             (None, 4, _SUBLANES, bk),
                             lambda b, j, t, gi, i, *_: (b, 0, 0, t),
                         ),
                         *whole,
+                        *tiles.head_specs(
+                            mod_leaves, lambda b, j, t, gi, i, *_: j * g + gi
+                        ),
                     ],
                     out_specs=[
                         pl.BlockSpec((None, None, bk, d), k_map),
@@ -532,5 +546,5 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 ),
                 interpret=self.interpret,
                 name="ringeqx_tpu_flash_backward_dkv",
-            )(*inputs)
+            )(*tile_plan(jnp.swapaxes(run, 1, 2)), *inputs, *leaves)
             return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]

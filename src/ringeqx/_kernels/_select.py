@@ -60,19 +60,14 @@ def _has_devices(device: str) -> bool:
 
 
 def _check_object(kernel: AbstractAttentionKernel, device: str) -> None:
-    match kernel:
-        case PallasGpuKernel(interpret=False) if device != "gpu":
-            raise ValueError(
-                f"PallasGpuKernel runs on GPUs, not on device_type={device!r}; pass "
-                "PallasGpuKernel(interpret=True) to run it in the Pallas interpreter."
-            )
-        case PallasTpuKernel(interpret=False) if device != "tpu":
-            raise ValueError(
-                f"PallasTpuKernel runs on TPUs, not on device_type={device!r}; pass "
-                "PallasTpuKernel(interpret=True) to run it in the Pallas interpreter."
-            )
-        case _:
-            pass
+    runs_on = kernel.devices()
+    if device not in runs_on:
+        raise ValueError(
+            f"{type(kernel).__name__} runs on device_type {' or '.join(sorted(runs_on))}"
+            f", not on device_type={device!r}; pass a kernel that runs there (a Pallas "
+            "kernel with interpret=True runs in the Pallas interpreter anywhere), or "
+            "XlaKernel."
+        )
 
 
 def _pallas_device(name: str, needs: str, device: str, interpret: bool) -> None:
@@ -108,7 +103,10 @@ def select_kernel(
     **Arguments:**
 
     - `kernel`: a name from the table or an [`ringeqx.AbstractAttentionKernel`][]
-        (returned as it is, after checking that it can run on `device_type`).
+        (returned as it is, after checking that `device_type` is one of its
+        `devices()`; with `device_type="auto"`, a Pallas kernel instead checks the
+        platform when the program is lowered, so that it can be exported with
+        `jax.export` for a platform this machine does not have).
     - `device_type`: `"auto"` (the platform of JAX's default backend), `"cpu"`,
         `"gpu"` or `"tpu"`.
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter, on any
@@ -130,7 +128,11 @@ def select_kernel(
             "interpret=True to run that device's Pallas kernel in the interpreter."
         )
     if isinstance(kernel, AbstractAttentionKernel):
-        _check_object(kernel, device)
+        # With "auto" the platform is the one the program is lowered for, which may not
+        # be this machine's (`jax.export` for "cuda" or "tpu"): kernels that compile for
+        # one platform check it when they are lowered.
+        if device_type != "auto":
+            _check_object(kernel, device)
         return kernel
     match kernel:
         case "auto":

@@ -111,6 +111,9 @@ class XlaKernel(AbstractAttentionKernel):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"XlaKernel `{name}` must be an integer >= 1; got {value!r}.")
 
+    def devices(self) -> frozenset[str]:
+        return frozenset({"cpu", "gpu", "tpu"})
+
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
