@@ -590,6 +590,9 @@ class _Delegate(rx.AbstractAttentionKernel):
 
     inner: rx.XlaKernel
 
+    def devices(self):
+        return self.inner.devices()
+
     def forward(self, *args):
         return self.inner.forward(*args)
 
@@ -600,6 +603,9 @@ class _Delegate(rx.AbstractAttentionKernel):
 class _DelegateTiles(rx.AbstractAttentionKernel):
     block_q: int = eqx.field(static=True, default=8)
     block_kv: int = eqx.field(static=True, default=8)
+
+    def devices(self):
+        return frozenset({"cpu"})
 
     def forward(self, *args):
         return rx.XlaKernel(self.block_q, self.block_kv).forward(*args)
