@@ -48,7 +48,7 @@ def _k_info(ref, cols=slice(None)) -> TokenInfo:
     return tiles.token_info([ref[f, cols][None, :] for f in range(4)])
 
 
-def _run_table(run, tiles_axis: int) -> Array:
+def _run_table(run: Array) -> Array:
     """The skip table `[batch, rows, steps]` padded along steps to a power of two
     (Triton's block shapes), the padding not run."""
     return tiles.pad_axis(run, 2, _pow2(run.shape[2]))
@@ -195,7 +195,15 @@ class PallasGpuKernel(AbstractAttentionKernel):
     are never copied and dK/dV need no reduction afterwards), and a dQ kernel shaped
     like the forward. All three read the token records of their tiles, apply the mask's
     elementwise rule and the score modifier on the loaded values, and skip tiles that
-    the mask's block rule rules out.
+    the mask's block rule rules out (a table of which tile pairs run, computed before
+    the kernels). Per-head modifier parameters (ALiBi slopes) reach each program through
+    its block spec.
+
+    Masks whose elementwise rule looks a table up per token pair (`BlockSparse`) do not
+    lower to Triton (a `gather`): `interpret=False` refuses them when traced; use
+    `XlaKernel` for them. On a machine without a GPU the kernel still traces, so a
+    program can be exported for `"cuda"` with `jax.export`; lowering it for any other
+    platform is an error that names the platform.
 
     **Arguments:**
 
@@ -206,7 +214,8 @@ class PallasGpuKernel(AbstractAttentionKernel):
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
     Supports float16, bfloat16 and float32 and head_dim a power of two from 16 to 256,
-    on a GPU or with `interpret=True`.
+    on a GPU or with `interpret=True`; GQA groups (`heads // kv_heads`) must be powers
+    of two on a GPU (Triton block shapes).
 
     ??? cite "Flash Attention 2"
 
@@ -286,7 +295,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
             mask_leaves, rebuild_mask = tiles.mask_operands(mask)
             mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
             run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
-            run = _run_table(run, 2)
+            run = _run_table(run)
             kernel = functools.partial(
                 _forward_kernel,
                 rebuild_mask=rebuild_mask,
@@ -382,8 +391,8 @@ class PallasGpuKernel(AbstractAttentionKernel):
             kp, vp = (tiles.pad_axis(x, 2, lk) for x in (k, v))
             q_rec, k_rec = tiles.records(q_info, lq), tiles.records(kv_info, lk)
             inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec)
-            run_q = _run_table(run, 2)
-            run_k = _run_table(jnp.swapaxes(run, 1, 2), 2)
+            run_q = _run_table(run)
+            run_k = _run_table(jnp.swapaxes(run, 1, 2))
 
             dq = pl.pallas_call(
                 functools.partial(

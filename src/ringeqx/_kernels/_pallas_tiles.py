@@ -316,8 +316,8 @@ def check_lowerable(
                 f"{kernel_name}(interpret=False) cannot run {what} {name} on a "
                 f"{device}: evaluated on a tile it uses {', '.join(bad)}, which "
                 f"{compiler} cannot lower (a table looked up per token pair, as "
-                "BlockSparse's block map is, is a gather). Use XlaKernel (kernel='xla'), which runs "
-                f"{name} on every device, or interpret=True."
+                "BlockSparse's block map is, is a gather). Use XlaKernel "
+                f"(kernel='xla'), which runs {name} on every device, or interpret=True."
             )
 
 

@@ -241,8 +241,12 @@ class PallasTpuKernel(AbstractAttentionKernel):
 
     The grid runs over (batch, query head, query tile, key tile), the key tiles
     innermost and sequential, with the running max, sum and output accumulator in VMEM
-    scratch. Per-tile block summaries are prefetched into SMEM, so the skip test of a
-    tile is scalar work before any vector work. The backward has a dK/dV kernel over
+    scratch. A table of which tile pairs run (the mask's block rule, computed before
+    the kernel) is prefetched into SMEM, so the skip test of a tile is one scalar load;
+    and the index maps of a skipped tile point at the K/V block already in VMEM (in the
+    backward, the Q-side block), so a skipped tile costs no copy (splash attention's
+    trick). Per-head modifier parameters (ALiBi slopes) reach each program through its
+    block spec. The backward has a dK/dV kernel over
     (batch, kv head, key tile, query head of the group, query tile), accumulating over
     the last two (GQA without copying K/V heads), and a dQ kernel shaped like the
     forward. Token records travel broadcast to full vregs (queries along lanes, keys
@@ -255,7 +259,12 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
-    `interpret=True`. Sequences are padded to whole tiles, the padding masked.
+    `interpret=True`. Sequences are padded to whole tiles, the padding masked. Masks
+    whose elementwise rule looks a table up per token pair (`BlockSparse`) do not lower
+    to Mosaic (a `gather`): `interpret=False` refuses them when traced; use `XlaKernel`
+    for them. On a machine without a TPU the kernel still traces, so a program can be
+    exported for `"tpu"` with `jax.export`; lowering it for any other platform is an
+    error that names the platform.
 
     ??? cite "Flash Attention 2"
 
