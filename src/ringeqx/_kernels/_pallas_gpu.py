@@ -214,8 +214,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
     Supports float16, bfloat16 and float32 and head_dim a power of two from 16 to 256,
-    on a GPU or with `interpret=True`; GQA groups (`heads // kv_heads`) must be powers
-    of two on a GPU (Triton block shapes).
+    on a GPU or with `interpret=True`.
 
     ??? cite "Flash Attention 2"
 
