@@ -70,10 +70,15 @@ def token_info(rows: Sequence[Array]) -> TokenInfo:
 # on a CPU-only machine; `jit` lowers for the default backend), so a check at trace time
 # (`jax.default_backend()`) would refuse programs that are never meant to run here.
 _platform_check_p = jax.extend.core.Primitive("ringeqx_platform_check")
+
+
+@functools.cache
+def _platform_check_jit(**params):
+    return jax.jit(functools.partial(_platform_check_p.bind, **params))
+
+
 # Applied eagerly, it still lowers (for the default backend), so the check runs there too.
-_platform_check_p.def_impl(
-    lambda x, **params: jax.jit(functools.partial(_platform_check_p.bind, **params))(x)
-)
+_platform_check_p.def_impl(lambda x, **params: _platform_check_jit(**params)(x))
 _platform_check_p.def_abstract_eval(lambda x, **_: x)
 ad.deflinear2(_platform_check_p, lambda ct, x, **_: [ct])
 batching.defvectorized(_platform_check_p)
