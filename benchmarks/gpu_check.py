@@ -52,26 +52,26 @@ def problem(key, batch, heads, kv_heads, length, head_dim, dtype):
     return q, k, v, d_out
 
 
-def kernel_fns(kernel, info, mask):
+def kernel_fns(kernel, info, mask, mod=None):
     """Jitted `forward` and `forward + backward` of one ring step with `kernel`."""
 
     def forward(q, k, v):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        return kernel.forward(q, k, v, info, info, mask, None, scale)
+        return kernel.forward(q, k, v, info, info, mask, mod, scale)
 
     def forward_backward(q, k, v, d_out):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = kernel.forward(q, k, v, info, info, mask, None, scale)
+        out, lse = kernel.forward(q, k, v, info, info, mask, mod, scale)
         delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
         grads = kernel.backward(
-            q, k, v, lse, delta, d_out, info, info, mask, None, scale
+            q, k, v, lse, delta, d_out, info, info, mask, mod, scale
         )
         return out, lse, grads
 
     return jax.jit(forward), jax.jit(forward_backward)
 
 
-def dense(q, k, v, d_out, info, mask):
+def dense(q, k, v, d_out, info, mask, mod=None):
     """Float32 dense `(out, lse, grads)`, heads-major (the reference)."""
     g = q.shape[1] // k.shape[1]
     qi = jax.tree.map(lambda x: x[:, None, :, None], info)
@@ -81,6 +81,8 @@ def dense(q, k, v, d_out, info, mask):
     def attend(q, k, v):
         k, v = (jnp.repeat(x, g, axis=1) for x in (k, v))
         s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        if mod is not None:
+            s = mod(s, qi, ki)
         s = jnp.where(ok, s, -jnp.inf)
         lse = jax.nn.logsumexp(s, axis=-1)
         safe = jnp.where(jnp.isinf(lse), 0.0, lse)[..., None]
@@ -158,11 +160,17 @@ def run_checks(kernels, cfg, failures) -> None:
     )
     length = cfg["check_len"]
     info = records(cfg["batch"], length, doc=max(length // 3, 1) + 1)
+    heads = cfg["heads"]
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1, dtype=jnp.float32) / heads)
+    # (mask, score modifier): the modifiers' per-head parameters reach each program
+    # through a block spec, a path only hardware compiles for real.
     masks = {
-        "full": rx.Full(),
-        "causal": rx.Causal(),
-        "causal_document": rx.Causal() & rx.Document(),
-        "sliding_window": rx.SlidingWindow(max(length // 4, 1)),
+        "full": (rx.Full(), None),
+        "causal": (rx.Causal(), None),
+        "causal_document": (rx.Causal() & rx.Document(), None),
+        "sliding_window": (rx.SlidingWindow(max(length // 4, 1)), None),
+        "causal_alibi": (rx.Causal(), rx.ALiBi(slopes)),
+        "prefix_lm_softcap": (rx.PrefixLM(length // 5), rx.Softcap(20.0)),
     }
     print(
         f"| kernel | head_dim | mask | out | lse | dq | dk | dv | ok (< {cfg['tol']}) |"
@@ -178,12 +186,14 @@ def run_checks(kernels, cfg, failures) -> None:
             head_dim,
             cfg["dtype"],
         )
-        for mask_name, mask in masks.items():
-            want = jax.jit(lambda *a, mask=mask: dense(*a, info, mask))(*args)
+        for mask_name, (mask, mod) in masks.items():
+            want = jax.jit(lambda *a, mask=mask, mod=mod: dense(*a, info, mask, mod))(
+                *args
+            )
             want = (want[0], want[1], *want[2])
             for name, kernel in kernels.items():
                 try:
-                    _, fwd_bwd = kernel_fns(kernel, info, mask)
+                    _, fwd_bwd = kernel_fns(kernel, info, mask, mod)
                     out, lse, grads = fwd_bwd(*args)
                     errs = [rel_error(g, w) for g, w in zip((out, lse, *grads), want)]
                 except Exception as e:  # noqa: BLE001 - reported and counted as failed
