@@ -52,7 +52,10 @@ class AbstractScoreMod(eqx.Module):
         heads axis has size 1 (`[1, 1, block_q, block_kv]`). A modifier without per-head
         parameters returns `self`; one with them (ALiBi slopes `[heads]`) returns a copy
         holding that head's slice, kept with a heads axis of size 1 (`slopes[head][None]`,
-        with `head` a traced int32 scalar).
+        with `head` a traced int32 scalar). The Pallas kernels call it under `jax.vmap`
+        over all heads, before the kernel, and hand each program its head's arrays
+        through a block spec (no per-head slicing inside the kernel, which Triton and
+        Mosaic cannot lower).
         """
 
 
