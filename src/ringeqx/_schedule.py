@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from ._layout import Layout
 from ._masks import AbstractMask
+from ._steps import ring_window
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -163,11 +164,8 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
 
     pairs = jax.lax.map(shard_pairs, info)  # [q shard, kv shard]
 
-    # Imported here: the ring imports the strategies, whose base class imports this.
-    from ._ring import _ring_window
-
     # Device i starts `ahead` shards ahead and meets shard i + ahead - s at step s.
-    ahead, steps = _ring_window(mask, layout)
+    ahead, steps = ring_window(mask, layout)
     dev = jnp.arange(num_shards)[None, :]
     src = (dev + ahead - jnp.arange(steps)[:, None]) % num_shards
     run = tiles[dev, src]
