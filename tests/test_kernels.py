@@ -305,6 +305,9 @@ class _NeverBlocks(rx.AbstractMask):
     def max_lookahead(self) -> int | None:
         return None
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 class _FirstKeysOnly(rx.AbstractMask):
     """Allows every pair but claims that only blocks holding key position 0 attend:
@@ -325,6 +328,9 @@ class _FirstKeysOnly(rx.AbstractMask):
 
     def max_lookahead(self) -> int | None:
         return None
+
+    def check(self, seq_len: int) -> None:
+        pass
 
 
 @pytest.mark.parametrize("kernel", [k for _, k in KERNELS], ids=KERNEL_IDS)
@@ -532,6 +538,9 @@ class _PerHeadBias(rx.AbstractScoreMod):
 
     def for_head(self, head: Int[Array, ""]) -> "_PerHeadBias":
         return self
+
+    def check(self, heads: int) -> None:
+        pass
 
 
 def test_score_mod_must_select_its_head():

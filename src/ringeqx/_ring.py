@@ -12,8 +12,8 @@ from ._comm import RingConfig, shift, shift_compressed
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout
-from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
-from ._score_mods import AbstractScoreMod, apply_sinks, check_score_mod, check_sinks
+from ._masks import AbstractMask, Full, check_ids
+from ._score_mods import AbstractScoreMod, apply_sinks, check_sinks
 from ._steps import early_stop_error, ring_window
 from ._strategies._uniform import Uniform
 from ._tokens import TokenInfo
@@ -311,7 +311,8 @@ def ring_attention(
     """
     _check_qkv(q, k, v)
     mask = Full() if mask is None else mask
-    check_score_mod(score_mod, q.shape[-2])
+    if score_mod is not None:
+        score_mod.check(q.shape[-2])
     check_sinks(sinks, q.shape[-2])
     config = RingConfig() if config is None else config
     kernel_obj = select_kernel(kernel, device_type, interpret=interpret)
@@ -370,11 +371,8 @@ def ring_attention(
                 f"shape of q {batch_shape}."
             )
         lay = layout
-    if segment_ids is None and layout is None and mask_needs_segments(mask):
-        raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
-    if span_ids is None and layout is None and mask_needs_spans(mask):
-        raise ValueError("This mask reads span ids: pass `span_ids=` or a `layout=`.")
-    check_mask(mask, lay.seq_len)
+    check_ids(mask, segment_ids, span_ids, layout)
+    mask.check(lay.seq_len)
 
     info = _broadcast_info(lay.token_info(), batch)
     num_ahead, num_steps = ring_window(mask, lay)
