@@ -384,7 +384,7 @@ def test_packed_documents_skip_cross_document_tiles():
     seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths), jnp.int32)
     layout = rx.Uniform().layout(seq, shards, segment_ids=seg)
     mask = rx.Causal() & rx.Document()
-    sched = rx.schedule(layout, mask, block_q=bq, block_kv=bk)
+    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(bq, bk))
 
     cap = layout.capacity
     pos = np.asarray(layout.positions)
@@ -399,14 +399,14 @@ def test_packed_documents_skip_cross_document_tiles():
                     ok = (qp[:, None] >= kp) & (qs[:, None] == ks) & qv[:, None] & kv
                     useful += int(ok.any())
     assert int(sched.total_tiles) == useful
-    causal = rx.schedule(layout, rx.Causal(), block_q=bq, block_kv=bk)
+    causal = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(bq, bk))
     assert int(causal.total_tiles) > useful
 
 
 def test_window_schedule_has_only_the_steps_that_run():
     layout = rx.Uniform().layout(64, 8)
     mask = rx.SlidingWindow(11)
-    sched = rx.schedule(layout, mask, block_q=4, block_kv=4)
+    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(4, 4))
     assert sched.tiles_run.shape == (rx.num_ring_steps(mask, layout), 8) == (3, 8)
 
 
