@@ -1,6 +1,7 @@
 """Attention masks as pytrees: an elementwise rule and a conservative block rule."""
 
 import abc
+import functools
 import math
 
 import equinox as eqx
@@ -431,20 +432,24 @@ _SUMMARY_READS = {
 }
 
 
-def _dependence(fn, mask: AbstractMask, records: list[jax.ShapeDtypeStruct]) -> list[bool]:
-    """Whether the output of `fn(mask, *records)` depends on each record array."""
-    dynamic, static = eqx.partition(mask, eqx.is_array)
-    dynamic = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dynamic)
+def _dependence(fn, treedef, leaves: tuple, records: list) -> list[bool]:
+    """Whether the output of `fn(mask, *records)` depends on each record array, for the
+    mask of structure `treedef` whose array leaves are given as `ShapeDtypeStruct`s."""
+    is_abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
 
-    def traced(dynamic, *arrays):
-        return fn(eqx.combine(dynamic, static), *arrays)
+    def traced(arrays, *record_arrays):
+        it = iter(arrays)
+        mask = [next(it) if a else x for x, a in zip(leaves, is_abstract)]
+        return fn(jax.tree.unflatten(treedef, mask), *record_arrays)
 
-    jaxpr = jax.make_jaxpr(traced)(dynamic, *records).jaxpr
+    abstract = [x for x, a in zip(leaves, is_abstract) if a]
+    jaxpr = jax.make_jaxpr(traced)(abstract, *records).jaxpr
     _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=False)
     return used[len(used) - len(records) :]
 
 
-def _reads(mask: AbstractMask) -> frozenset[str]:
+@functools.lru_cache(maxsize=256)
+def _reads_of(treedef, leaves: tuple) -> frozenset[str]:
     i32 = jnp.int32
     # Token records shaped like the kernels' `[batch, q, 1]` against `[batch, 1, k]`.
     tokens = [jax.ShapeDtypeStruct((1, 2, 1), i32)] * 3 + [
@@ -456,7 +461,7 @@ def _reads(mask: AbstractMask) -> frozenset[str]:
         return mask.allows(TokenInfo(*arrays[:4]), TokenInfo(*arrays[4:]))
 
     names = ("positions", "segments", "spans", "valid") * 2
-    used = _dependence(allows, mask, tokens)
+    used = _dependence(allows, treedef, leaves, tokens)
     reads = {name for name, u in zip(names, used) if u}
 
     summary = [jax.ShapeDtypeStruct((), i32)] * 6 + [jax.ShapeDtypeStruct((), jnp.bool_)]
@@ -465,9 +470,24 @@ def _reads(mask: AbstractMask) -> frozenset[str]:
         return mask.may_attend(BlockSummary(*arrays[:7]), BlockSummary(*arrays[7:]))
 
     names = tuple(_SUMMARY_READS.values()) * 2
-    used = _dependence(may_attend, mask, summary * 2)
+    used = _dependence(may_attend, treedef, leaves, summary * 2)
     reads |= {name for name, u in zip(names, used) if u}
     return frozenset(reads)
+
+
+def _reads(mask: AbstractMask) -> frozenset[str]:
+    # The answer depends on the mask's structure and the shapes of its arrays, not on
+    # their values: cached on those, so ring calls pay the tracing once per kind of mask.
+    leaves, treedef = jax.tree.flatten(mask)
+    leaves = tuple(
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if eqx.is_array(x) else x
+        for x in leaves
+    )
+    try:
+        hash((treedef, leaves))
+    except TypeError:  # an unhashable static field or leaf: trace it, uncached
+        return _reads_of.__wrapped__(treedef, leaves)
+    return _reads_of(treedef, leaves)
 
 
 def check_ids(mask: AbstractMask, segment_ids, span_ids, layout) -> None:
