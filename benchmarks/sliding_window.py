@@ -85,7 +85,7 @@ def main():
         kv_ops, _, _ = rx.permute_stats(fwd.lower(q, k, v).compile().as_text(), block)
         hlo_steps = kv_ops // 2 + 1
         steps = rx.num_ring_steps(mask, layout)
-        sched = rx.schedule(layout, mask, block_q=args.block, block_kv=args.block)
+        sched = rx.schedule(layout, mask, kernel=kernel)
         jax.block_until_ready(compiled(q, k, v))  # warm-up
         times = []
         for _ in range(args.reps):

@@ -82,7 +82,7 @@ def causal_balance(n, p, block):
         ("Striped", rx.Striped()),
     ]:
         layout = strategy.layout(n, p)
-        print(_row(name, rx.schedule(layout, rx.Causal(), block_q=block, block_kv=block)))
+        print(_row(name, rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))))
     print()
 
 
@@ -112,7 +112,7 @@ def document_balance(n, p, chunk, seeds):
             start = time.perf_counter()
             layout = jax.block_until_ready(strategy.layout(n, p, segment_ids=seg))
             took = time.perf_counter() - start
-            s = rx.schedule(layout, mask, block_q=chunk, block_kv=chunk)
+            s = rx.schedule(layout, mask, kernel=rx.XlaKernel(chunk, chunk))
             print(f"| {seed} | {about} " + _row(name, s, f" {took * 1e3:.0f} ms |"))
     print()
 
@@ -158,7 +158,7 @@ def causal_timing(n, p, heads, head_dim, block, reps):
     print("| strategy | fwd+bwd median (s) | critical path (tiles) | total tiles |")
     print("|---|---|---|---|")
     for name, (layout, _, _) in runs.items():
-        s = rx.schedule(layout, rx.Causal(), block_q=block, block_kv=block)
+        s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))
         ts = times[name]
         print(
             f"| {name} | {statistics.median(ts):.2f} (runs: {', '.join(f'{t:.2f}' for t in ts)})"

@@ -78,6 +78,45 @@ ALL_MASKS = [(name, lambda seq_len, m=m: m) for name, m in MASKS] + [
     ),
 ]
 
+class CausalSameDocument(rx.AbstractMask):
+    """A user mask that reads segment ids (no built-in class matches it)."""
+
+    def allows(self, q: rx.TokenInfo, k: rx.TokenInfo) -> jax.Array:
+        return (q.segments == k.segments) & (q.positions >= k.positions)
+
+    def may_attend(self, q: rx.BlockSummary, k: rx.BlockSummary) -> jax.Array:
+        return (q.seg_min <= k.seg_max) & (k.seg_min <= q.seg_max) & (q.pos_max >= k.pos_min)
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return 0
+
+    def check(self, seq_len: int) -> None:
+        pass
+
+
+class OnlyWithinSpans(rx.AbstractMask):
+    """A user mask that reads span ids: tokens of one span see each other, no others."""
+
+    def allows(self, q: rx.TokenInfo, k: rx.TokenInfo) -> jax.Array:
+        return (q.spans == k.spans) & (q.spans >= 0)
+
+    def may_attend(self, q: rx.BlockSummary, k: rx.BlockSummary) -> jax.Array:
+        overlap = (q.span_min <= k.span_max) & (k.span_min <= q.span_max)
+        return overlap & (q.span_max >= 0) & (k.span_max >= 0)
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return None
+
+    def check(self, seq_len: int) -> None:
+        pass
+
+
 # (name, factory(heads) -> score modifier or None)
 SCORE_MODS = [
     ("none", lambda heads: None),

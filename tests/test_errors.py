@@ -8,7 +8,7 @@ argument, so each test accepts either, and `_check_qkv` is also tested directly.
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import mesh, qkv
+from helpers import CausalSameDocument, OnlyWithinSpans, mesh, qkv
 
 import ringeqx as rx
 from ringeqx._ring import _check_qkv
@@ -69,6 +69,24 @@ def test_document_mask_without_segments():
         _call(Q, K, V, mask=rx.Document())
     with pytest.raises(ValueError, match="reads segment ids"):
         rx.reference_attention(Q, K, V, mask=rx.Document())
+
+
+def test_user_masks_name_the_ids_they_read():
+    # Nothing declares what these user masks read: it is read off their rules. Without the
+    # ids every record would hold -1 and the answer would silently be another mask's.
+    seg = r"reads segment ids: pass `segment_ids=` .*CausalSameDocument reads `segments`"
+    with pytest.raises(ValueError, match=seg):
+        _call(Q, K, V, mask=CausalSameDocument())
+    with pytest.raises(ValueError, match=r"`segment_ids=` .*Or reads `segments`"):
+        _call(Q, K, V, mask=rx.SlidingWindow(3) | CausalSameDocument())
+    with pytest.raises(ValueError, match=seg):
+        rx.reference_attention(Q, K, V, mask=CausalSameDocument())
+    span = r"reads span ids: pass `span_ids=` .*OnlyWithinSpans reads `spans`"
+    with pytest.raises(ValueError, match=span):
+        _call(Q, K, V, mask=OnlyWithinSpans())
+    with pytest.raises(ValueError, match=span):
+        segments = jnp.zeros(8, jnp.int32)
+        rx.reference_attention(Q, K, V, mask=OnlyWithinSpans(), segment_ids=segments)
 
 
 def test_layout_shard_count_mismatch():

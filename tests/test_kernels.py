@@ -305,6 +305,9 @@ class _NeverBlocks(rx.AbstractMask):
     def max_lookahead(self) -> int | None:
         return None
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 class _FirstKeysOnly(rx.AbstractMask):
     """Allows every pair but claims that only blocks holding key position 0 attend:
@@ -325,6 +328,9 @@ class _FirstKeysOnly(rx.AbstractMask):
 
     def max_lookahead(self) -> int | None:
         return None
+
+    def check(self, seq_len: int) -> None:
+        pass
 
 
 @pytest.mark.parametrize("kernel", [k for _, k in KERNELS], ids=KERNEL_IDS)
@@ -548,6 +554,9 @@ class _PerHeadBias(rx.AbstractScoreMod):
     def for_head(self, head: Int[Array, ""]) -> "_PerHeadBias":
         return self
 
+    def check(self, heads: int) -> None:
+        pass
+
 
 def test_score_mod_must_select_its_head():
     x = jnp.zeros((1, 3, 16, 64))
@@ -586,7 +595,7 @@ def test_tune_block_sizes():
 
 
 class _Delegate(rx.AbstractAttentionKernel):
-    """A user kernel: XlaKernel under another name, with or without tile fields."""
+    """A user kernel without tiles: not a kernel (`block_q`/`block_kv` are abstract)."""
 
     inner: rx.XlaKernel
 
@@ -599,8 +608,13 @@ class _Delegate(rx.AbstractAttentionKernel):
     def backward(self, *args):
         return self.inner.backward(*args)
 
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        return [(8, 8)]
+
 
 class _DelegateTiles(rx.AbstractAttentionKernel):
+    """A user kernel with tiles and its own candidates."""
+
     block_q: int = eqx.field(static=True, default=8)
     block_kv: int = eqx.field(static=True, default=8)
 
@@ -613,15 +627,25 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
     def backward(self, *args):
         return rx.XlaKernel(self.block_q, self.block_kv).backward(*args)
 
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        return [(4, 8), (8, 4)]
+
+
+def test_user_kernel_tiles():
+    with pytest.raises(TypeError, match="block_kv.*block_q|block_q.*block_kv"):
+        _Delegate(rx.XlaKernel())
+    kw = dict(heads=1, q_len=8, head_dim=8, dtype=jnp.float32, backward=False, repeats=1)
+    best, timings = rx.tune_block_sizes(_DelegateTiles(), **kw)
+    assert set(timings) == {(4, 8), (8, 4)}
+    assert isinstance(best, _DelegateTiles) and (best.block_q, best.block_kv) in timings
+    # The defaults of the package's kernels are theirs too.
+    assert (512, 1024) in rx.PallasTpuKernel().tile_candidates()
+    assert (128, 64) in rx.PallasGpuKernel().tile_candidates()
+    assert (256, 256) in rx.XlaKernel().tile_candidates()
+
 
 def test_tune_block_sizes_errors():
     kw = dict(heads=1, q_len=8, head_dim=8, dtype=jnp.float32)
-    with pytest.raises(
-        ValueError, match="needs a kernel with `block_q` and `block_kv`"
-    ):
-        rx.tune_block_sizes(_Delegate(rx.XlaKernel()), **kw)
-    with pytest.raises(ValueError, match="no default candidates for _DelegateTiles"):
-        rx.tune_block_sizes(_DelegateTiles(), **kw)
     with pytest.raises(ValueError, match="`repeats` must be an integer >= 1"):
         rx.tune_block_sizes(rx.XlaKernel(), repeats=0, **kw)
     with pytest.raises(ValueError, match="`candidates` must hold at least one"):

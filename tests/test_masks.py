@@ -18,6 +18,8 @@ from helpers import (
     ALL_MASKS,
     KERNELS,
     STRATEGIES,
+    CausalSameDocument,
+    OnlyWithinSpans,
     assert_close,
     block_pattern,
     mesh,
@@ -221,6 +223,9 @@ class _ClaimsCausal(rx.AbstractMask):
     def max_lookahead(self) -> int | None:
         return 0
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 def test_early_stop_never_silently_drops_keys_ahead():
     # A ring that only ran backwards would miss the keys of the next shard. With a mask
@@ -379,7 +384,7 @@ def test_packed_documents_skip_cross_document_tiles():
     seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths), jnp.int32)
     layout = rx.Uniform().layout(seq, shards, segment_ids=seg)
     mask = rx.Causal() & rx.Document()
-    sched = rx.schedule(layout, mask, block_q=bq, block_kv=bk)
+    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(bq, bk))
 
     cap = layout.capacity
     pos = np.asarray(layout.positions)
@@ -394,14 +399,14 @@ def test_packed_documents_skip_cross_document_tiles():
                     ok = (qp[:, None] >= kp) & (qs[:, None] == ks) & qv[:, None] & kv
                     useful += int(ok.any())
     assert int(sched.total_tiles) == useful
-    causal = rx.schedule(layout, rx.Causal(), block_q=bq, block_kv=bk)
+    causal = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(bq, bk))
     assert int(causal.total_tiles) > useful
 
 
 def test_window_schedule_has_only_the_steps_that_run():
     layout = rx.Uniform().layout(64, 8)
     mask = rx.SlidingWindow(11)
-    sched = rx.schedule(layout, mask, block_q=4, block_kv=4)
+    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(4, 4))
     assert sched.tiles_run.shape == (rx.num_ring_steps(mask, layout), 8) == (3, 8)
 
 
@@ -428,9 +433,14 @@ class DilatedWindow(rx.AbstractMask):
     def max_lookahead(self) -> int | None:
         return 0
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 def test_user_mask_with_early_stop():
     mask = DilatedWindow(12, 3)
+    # It reads positions only, so it runs without segment or span ids.
+    assert mask.reads() == {"positions"}
     q, k, v = qkv(jax.random.key(10), (2,), 48, HEADS, KV_HEADS, HEAD_DIM)
     assert rx.num_ring_steps(mask, rx.Uniform().layout(48, 8)) == 3
     ct = jax.random.normal(jax.random.key(11), q.shape)
@@ -445,6 +455,46 @@ def test_user_mask_with_early_stop():
     assert_close(out, ref)
     for a, b in zip(g, rg):
         assert_close(a, b)
+
+
+def test_what_a_mask_reads_comes_from_its_rule():
+    pos, seg, span = "positions", "segments", "spans"
+    expected = [
+        (rx.Full(), set()),
+        (rx.Causal(), {pos}),
+        (rx.Document(), {seg}),
+        (rx.SlidingWindow(3, two_sided=True), {pos}),
+        (rx.PrefixLM(jnp.int32(4)), {pos}),
+        (rx.BidirectionalSpans(), {pos, span}),
+        (rx.BlockSparse(block_pattern(SEQ, 4), 4), {pos}),
+        (rx.Causal() & rx.Document(), {pos, seg}),
+        (rx.Full() | rx.BidirectionalSpans(), {pos, span}),
+        (CausalSameDocument(), {pos, seg}),
+        (OnlyWithinSpans(), {span}),
+        (OnlyWithinSpans() & DilatedWindow(4, 2), {pos, span}),
+    ]
+    for mask, reads in expected:
+        assert mask.reads() == reads, mask
+
+    # Also while tracing, with the mask's arrays traced.
+    def traced(n):
+        assert (rx.PrefixLM(n) & rx.Document()).reads() == {pos, seg}
+        return n
+
+    jax.jit(traced)(jnp.int32(3))
+
+
+def test_user_mask_reading_segments_is_exact_with_ids():
+    q, k, v = qkv(jax.random.key(15), (), 12, HEADS, KV_HEADS, HEAD_DIM)
+    seg = packed_segments(12, (5, 7))
+    mask = CausalSameDocument()
+    out = rx.ring_attention(q, k, v, mask=mask, segment_ids=seg, mesh=mesh(3), kernel=KERNEL)
+    assert_close(out, rx.reference_attention(q, k, v, mask=mask, segment_ids=seg))
+    # The same answer as the built-in rule it spells out, which the -1 ids of a missing
+    # `segment_ids` would not give (they would make it plain causal).
+    built_in = rx.reference_attention(q, k, v, mask=rx.Causal() & rx.Document(), segment_ids=seg)
+    assert_close(out, built_in)
+    assert not np.allclose(out, rx.reference_attention(q, k, v, mask=rx.Causal()))
 
 
 def test_new_mask_arrays_do_not_recompile():

@@ -125,6 +125,9 @@ class _FirstRowsBlind(rx.AbstractMask):
     def max_lookahead(self) -> int | None:
         return 0
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 def test_fully_masked_rows_are_zero_not_nan():
     q, k, v = qkv(jax.random.key(6), (2,), 26, **SHAPE)

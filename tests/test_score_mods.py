@@ -319,6 +319,33 @@ def test_alibi_slopes_must_match_heads():
         rx.ALiBi(jnp.ones((HEADS, 1)))
 
 
+class _HeadBias(rx.AbstractScoreMod):
+    """A user modifier with one bias per head, which checks its own length."""
+
+    bias: jax.Array
+
+    def __call__(self, scores, q, k):
+        return scores + self.bias.reshape(-1, 1, 1)
+
+    def for_head(self, head):
+        return _HeadBias(jax.lax.dynamic_slice_in_dim(self.bias, head, 1))
+
+    def check(self, heads: int) -> None:
+        if self.bias.shape != (heads,):
+            raise ValueError(f"_HeadBias `bias` must have shape ({heads},); got {self.bias.shape}.")
+
+
+def test_user_modifier_checks_itself():
+    # The ring and the reference ask the modifier itself, alone or inside a Chain.
+    q, k, v = qkv(jax.random.key(31), (), 12, HEADS, KV_HEADS, HEAD_DIM)
+    bad = _HeadBias(jnp.ones(HEADS + 1))
+    msg = rf"_HeadBias `bias` must have shape \({HEADS},\); got \({HEADS + 1},\)"
+    with pytest.raises(ValueError, match=msg):
+        rx.ring_attention(q, k, v, score_mod=bad, mesh=mesh(2))
+    with pytest.raises(ValueError, match=msg):
+        rx.reference_attention(q, k, v, score_mod=rx.Chain(rx.Softcap(1.0), bad))
+
+
 def test_sinks_must_be_one_logit_per_head():
     q, k, v = qkv(jax.random.key(30), (), 12, HEADS, KV_HEADS, HEAD_DIM)
     # Under the test hook the annotation `sinks: Float[Array, " heads"]` (heads bound by

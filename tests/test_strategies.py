@@ -254,7 +254,7 @@ def test_custom_strategy_edges_at_special_tokens():
 def test_schedule_counts_match_the_ring():
     # Uniform, causal, 4 shards of 4: at step s device i sees shard i - s.
     layout = rx.Uniform().layout(16, 4)
-    s = rx.schedule(layout, rx.Causal(), block_q=2, block_kv=4)
+    s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
     full, diag = 16, 10
     expected = np.array(
         [[diag] * 4, [0, full, full, full], [0, 0, full, full], [0, 0, 0, full]], np.float32
@@ -266,7 +266,7 @@ def test_schedule_counts_match_the_ring():
     assert int(s.critical_path) == 8 and int(s.total_tiles) == 20
     assert float(s.imbalance) == pytest.approx((10 + 3 * 16) / (10 + (3 + 2 + 1) * 16 / 4))
     # A method of every strategy, too.
-    method = rx.Uniform().schedule(layout, rx.Causal(), block_q=2, block_kv=4)
+    method = rx.Uniform().schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
     np.testing.assert_array_equal(method.pairs, s.pairs)
 
 
@@ -274,7 +274,7 @@ def test_schedule_counts_match_the_ring():
 def test_schedule_pairs_sum_to_the_dense_count(factory):
     layout = factory(SEQ).layout(SEQ, 4, segment_ids=SEG)
     mask = rx.Causal() & rx.Document()
-    s = rx.schedule(layout, mask, block_q=3, block_kv=2)
+    s = rx.schedule(layout, mask, kernel=rx.XlaKernel(3, 2))
     seg = np.asarray(SEG)
     t = np.arange(SEQ)
     dense = ((t[:, None] >= t[None, :]) & (seg[:, None] == seg[None, :])).sum()
@@ -290,7 +290,7 @@ def test_schedule_pairs_sum_to_the_dense_count(factory):
 def test_zigzag_balances_causal_attention_on_8_devices():
     mask = rx.Causal()
     ratio = {
-        name: float(rx.schedule(s.layout(1000, 8), mask, block_q=32, block_kv=32).imbalance)
+        name: float(rx.schedule(s.layout(1000, 8), mask, kernel=rx.XlaKernel(32, 32)).imbalance)
         for name, s in [
             ("uniform", rx.Uniform()),
             ("zigzag", rx.Zigzag()),
@@ -310,7 +310,7 @@ def test_work_balanced_beats_zigzag_on_long_tailed_documents():
 
     def run(strategy):
         layout = strategy.layout(seq, 8, segment_ids=seg)
-        return rx.schedule(layout, mask, block_q=block, block_kv=block)
+        return rx.schedule(layout, mask, kernel=rx.XlaKernel(block, block))
 
     uniform, zigzag = run(rx.Uniform()), run(rx.Zigzag())
     balanced = run(rx.WorkBalanced(chunk=block))
@@ -323,10 +323,26 @@ def test_work_balanced_beats_zigzag_on_long_tailed_documents():
     assert int(balanced.critical_path) < int(zigzag.critical_path)
 
 
-def test_schedule_errors():
-    layout = rx.Uniform().layout(16, 4)
-    with pytest.raises(ValueError, match="schedule `block_q` must be an integer >= 1; got 0"):
-        rx.schedule(layout, rx.Causal(), block_q=0)
+def test_schedule_reads_the_kernels_tiles():
+    layout = rx.Uniform().layout(128, 4)  # shards of 32 tokens
+
+    def tiles(**kernel):
+        s = rx.schedule(layout, rx.Full(), **kernel)
+        per_pair = np.asarray(s.tiles_run + s.tiles_skipped)
+        assert np.all(per_pair == per_pair[0, 0])
+        return int(per_pair[0, 0])
+
+    # The ring's default kernel on the CPU (one tile covers a shard of 32), a kernel's own
+    # tiles, a TPU kernel planned here (its tiles shrink to the shard), and a name.
+    assert tiles() == tiles(kernel="auto") == tiles(kernel="xla") == 1
+    assert tiles(kernel=rx.XlaKernel(8, 16)) == 4 * 2
+    assert tiles(kernel=rx.PallasGpuKernel(block_q=32, block_kv=16)) == 1 * 2
+    assert tiles(kernel=rx.PallasTpuKernel()) == 1
+    # The annotation (under the test hook) or select_kernel's own check.
+    with pytest.raises((TypeError, ValueError), match="kernel"):
+        rx.schedule(layout, rx.Causal(), kernel="bogus")
+    with pytest.raises(ValueError, match="kernel='pallas_tpu' needs device_type='tpu'"):
+        rx.schedule(layout, rx.Causal(), kernel="pallas_tpu")
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,7 +452,7 @@ def test_plots_draw_layouts_and_schedules():
     ax = rx.plot_layout(layout, color_by="segment")
     assert ax.images[0].get_array().shape == (4, layout.capacity)
     assert ax.images[0].get_array().mask.sum() == layout.sharded_len - SEQ
-    s = rx.schedule(layout, rx.Causal(), block_q=4, block_kv=4)
+    s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(4, 4))
     ax = rx.plot_schedule(s, what="tiles")
     np.testing.assert_array_equal(ax.images[0].get_array(), s.tiles_run)
     assert "imbalance" in ax.get_title()

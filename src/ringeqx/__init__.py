@@ -26,7 +26,7 @@ from ._masks import (
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention
-from ._ring import num_ring_steps as num_ring_steps, ring_attention as ring_attention
+from ._ring import ring_attention as ring_attention
 from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,
@@ -34,6 +34,7 @@ from ._score_mods import (
     Chain as Chain,
     Softcap as Softcap,
 )
+from ._steps import num_ring_steps as num_ring_steps
 from ._strategies._base import AbstractShardingStrategy as AbstractShardingStrategy
 from ._strategies._boundary import Boundary as Boundary
 from ._strategies._modality import ModalityAware as ModalityAware

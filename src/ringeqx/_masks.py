@@ -1,10 +1,13 @@
 """Attention masks as pytrees: an elementwise rule and a conservative block rule."""
 
 import abc
+import functools
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from ._tokens import BlockSummary, TokenInfo
@@ -17,8 +20,10 @@ class AbstractMask(eqx.Module):
     segment id, span id), never on slots, so it is exact under every sharding strategy.
     Padding is handled by the ring itself; masks never see it.
 
-    Subclass it to write your own mask: implement the four methods below. Combine masks
-    with `a & b` and `a | b`.
+    Subclass it to write your own mask: implement the five abstract methods below. Combine
+    masks with `a & b` and `a | b`. What a mask reads (`reads`) is not declared: it is read
+    off the rule itself, so `ring_attention` asks for `segment_ids` or `span_ids` exactly
+    when your rule uses them.
 
     **Example:**
 
@@ -36,6 +41,9 @@ class AbstractMask(eqx.Module):
 
         def max_lookahead(self):
             return 0
+
+        def check(self, seq_len):
+            pass   # nothing about this mask depends on the sequence length
     ```
     """
 
@@ -75,6 +83,29 @@ class AbstractMask(eqx.Module):
         seen. Together with `max_distance` it decides which ring steps run.
         """
 
+    @abc.abstractmethod
+    def check(self, seq_len: int) -> None:
+        """Trace-time check of the mask against the original sequence length.
+
+        Raise a `ValueError` naming the offending field when the mask cannot serve a
+        sequence of `seq_len` tokens (a block map of the wrong size); a mask that fits
+        every length does nothing (`pass`). `ring_attention` and `reference_attention`
+        call it once the sequence length is known.
+        """
+
+    def reads(self) -> frozenset[str]:
+        """Which token records the mask reads: a subset of `{"positions", "segments",
+        "spans", "valid"}`.
+
+        Not implemented by subclasses, and not to be overridden: the answer is read off the
+        mask's own rules. `allows` and `may_attend` are traced on abstract records
+        (`jax.make_jaxpr`), and a record counts when an output depends on it (dead-code
+        elimination of the traced program). So a user mask cannot get it wrong, and `And` /
+        `Or` read what their parts read. `ring_attention` uses it to ask for `segment_ids`
+        and `span_ids` exactly when the mask needs them.
+        """
+        return _reads(self)
+
     def __and__(self, other: "AbstractMask") -> "And":
         return And(self, other)
 
@@ -101,6 +132,9 @@ class Full(AbstractMask):
     def max_lookahead(self) -> int | None:
         return None
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 class Causal(AbstractMask):
     """A query attends to keys at the same or earlier original positions."""
@@ -116,6 +150,9 @@ class Causal(AbstractMask):
 
     def max_lookahead(self) -> int | None:
         return 0
+
+    def check(self, seq_len: int) -> None:
+        pass
 
 
 class Document(AbstractMask):
@@ -135,6 +172,9 @@ class Document(AbstractMask):
 
     def max_lookahead(self) -> int | None:
         return None
+
+    def check(self, seq_len: int) -> None:
+        pass
 
 
 class SlidingWindow(AbstractMask):
@@ -192,6 +232,9 @@ class SlidingWindow(AbstractMask):
     def max_lookahead(self) -> int | None:
         return self.window - 1 if self.two_sided else 0
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 class PrefixLM(AbstractMask):
     """Causal, except that the first `prefix_len` tokens all see each other.
@@ -223,6 +266,9 @@ class PrefixLM(AbstractMask):
     def max_lookahead(self) -> int | None:
         return None
 
+    def check(self, seq_len: int) -> None:
+        pass
+
 
 class BidirectionalSpans(AbstractMask):
     """Causal text with bidirectional spans (image, audio clips).
@@ -247,6 +293,9 @@ class BidirectionalSpans(AbstractMask):
 
     def max_lookahead(self) -> int | None:
         return None
+
+    def check(self, seq_len: int) -> None:
+        pass
 
 
 class BlockSparse(AbstractMask):
@@ -302,6 +351,15 @@ class BlockSparse(AbstractMask):
     def max_lookahead(self) -> int | None:
         return None
 
+    def check(self, seq_len: int) -> None:
+        n = math.ceil(seq_len / self.block_size)
+        if self.block_mask.shape != (n, n):
+            raise ValueError(
+                "BlockSparse `block_mask` must have shape (ceil(seq_len / block_size),) "
+                f"* 2 = {(n, n)} for seq_len={seq_len} and block_size="
+                f"{self.block_size}; got shape {self.block_mask.shape}."
+            )
+
 
 def _min_bound(a: int | None, b: int | None) -> int | None:
     if a is None:
@@ -335,6 +393,10 @@ class And(AbstractMask):
     def max_lookahead(self) -> int | None:
         return _min_bound(self.left.max_lookahead(), self.right.max_lookahead())
 
+    def check(self, seq_len: int) -> None:
+        self.left.check(seq_len)
+        self.right.check(seq_len)
+
 
 class Or(AbstractMask):
     """Either mask allows the pair (`left | right`)."""
@@ -354,42 +416,94 @@ class Or(AbstractMask):
     def max_lookahead(self) -> int | None:
         return _max_bound(self.left.max_lookahead(), self.right.max_lookahead())
 
-
-def mask_needs_segments(mask: AbstractMask) -> bool:
-    """Whether a mask reads segment ids (so callers must supply them)."""
-    match mask:
-        case Document():
-            return True
-        case And() | Or():
-            return mask_needs_segments(mask.left) or mask_needs_segments(mask.right)
-        case _:
-            return False
+    def check(self, seq_len: int) -> None:
+        self.left.check(seq_len)
+        self.right.check(seq_len)
 
 
-def mask_needs_spans(mask: AbstractMask) -> bool:
-    """Whether a mask reads span ids (so callers must supply them)."""
-    match mask:
-        case BidirectionalSpans():
-            return True
-        case And() | Or():
-            return mask_needs_spans(mask.left) or mask_needs_spans(mask.right)
-        case _:
-            return False
+_SUMMARY_READS = {
+    "pos_min": "positions",
+    "pos_max": "positions",
+    "seg_min": "segments",
+    "seg_max": "segments",
+    "span_min": "spans",
+    "span_max": "spans",
+    "any_valid": "valid",
+}
 
 
-def check_mask(mask: AbstractMask, seq_len: int) -> None:
-    """Trace-time checks of a mask against the original sequence length."""
-    match mask:
-        case BlockSparse():
-            n = math.ceil(seq_len / mask.block_size)
-            if mask.block_mask.shape != (n, n):
-                raise ValueError(
-                    "BlockSparse `block_mask` must have shape (ceil(seq_len / block_size),) "
-                    f"* 2 = {(n, n)} for seq_len={seq_len} and block_size="
-                    f"{mask.block_size}; got shape {mask.block_mask.shape}."
-                )
-        case And() | Or():
-            check_mask(mask.left, seq_len)
-            check_mask(mask.right, seq_len)
-        case _:
-            pass
+def _dependence(fn, treedef, leaves: tuple, records: list) -> list[bool]:
+    """Whether the output of `fn(mask, *records)` depends on each record array, for the
+    mask of structure `treedef` whose array leaves are given as `ShapeDtypeStruct`s."""
+    is_abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+
+    def traced(arrays, *record_arrays):
+        it = iter(arrays)
+        mask = [next(it) if a else x for x, a in zip(leaves, is_abstract)]
+        return fn(jax.tree.unflatten(treedef, mask), *record_arrays)
+
+    abstract = [x for x, a in zip(leaves, is_abstract) if a]
+    jaxpr = jax.make_jaxpr(traced)(abstract, *records).jaxpr
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=False)
+    return used[len(used) - len(records) :]
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_of(treedef, leaves: tuple) -> frozenset[str]:
+    i32 = jnp.int32
+    # Token records shaped like the kernels' `[batch, q, 1]` against `[batch, 1, k]`.
+    tokens = [jax.ShapeDtypeStruct((1, 2, 1), i32)] * 3 + [
+        jax.ShapeDtypeStruct((1, 2, 1), jnp.bool_)
+    ]
+    tokens += [jax.ShapeDtypeStruct((1, 1, 3), x.dtype) for x in tokens]
+
+    def allows(mask, *arrays):
+        return mask.allows(TokenInfo(*arrays[:4]), TokenInfo(*arrays[4:]))
+
+    names = ("positions", "segments", "spans", "valid") * 2
+    used = _dependence(allows, treedef, leaves, tokens)
+    reads = {name for name, u in zip(names, used) if u}
+
+    summary = [jax.ShapeDtypeStruct((), i32)] * 6 + [jax.ShapeDtypeStruct((), jnp.bool_)]
+
+    def may_attend(mask, *arrays):
+        return mask.may_attend(BlockSummary(*arrays[:7]), BlockSummary(*arrays[7:]))
+
+    names = tuple(_SUMMARY_READS.values()) * 2
+    used = _dependence(may_attend, treedef, leaves, summary * 2)
+    reads |= {name for name, u in zip(names, used) if u}
+    return frozenset(reads)
+
+
+def _reads(mask: AbstractMask) -> frozenset[str]:
+    # The answer depends on the mask's structure and the shapes of its arrays, not on
+    # their values: cached on those, so ring calls pay the tracing once per kind of mask.
+    leaves, treedef = jax.tree.flatten(mask)
+    leaves = tuple(
+        jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if eqx.is_array(x) else x
+        for x in leaves
+    )
+    try:
+        hash((treedef, leaves))
+    except TypeError:  # an unhashable static field or leaf: trace it, uncached
+        return _reads_of.__wrapped__(treedef, leaves)
+    return _reads_of(treedef, leaves)
+
+
+def check_ids(mask: AbstractMask, segment_ids, span_ids, layout) -> None:
+    """Raise when the mask reads segment or span ids that neither the ids nor a layout
+    give (the records would then hold -1 everywhere and the answer be silently wrong)."""
+    if layout is not None:
+        return
+    reads = mask.reads()
+    name = type(mask).__name__
+    if segment_ids is None and "segments" in reads:
+        raise ValueError(
+            "This mask reads segment ids: pass `segment_ids=` or a `layout=` (the rule "
+            f"of {name} reads `segments`; got neither)."
+        )
+    if span_ids is None and "spans" in reads:
+        raise ValueError(
+            "This mask reads span ids: pass `span_ids=` or a `layout=` (the rule of "
+            f"{name} reads `spans`; got neither)."
+        )

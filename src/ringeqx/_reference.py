@@ -6,8 +6,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ._layout import Layout
-from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
-from ._score_mods import AbstractScoreMod, check_score_mod, check_sinks
+from ._masks import AbstractMask, Full, check_ids
+from ._score_mods import AbstractScoreMod, check_sinks
 from ._tokens import TokenInfo
 
 
@@ -35,15 +35,13 @@ def reference_attention(
     seq, heads, head_dim = q.shape[-3:]
     kv_heads = k.shape[-2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    check_mask(mask, seq if layout is None else layout.seq_len)
-    check_score_mod(score_mod, heads)
+    check_ids(mask, segment_ids, span_ids, layout)
+    mask.check(seq if layout is None else layout.seq_len)
+    if score_mod is not None:
+        score_mod.check(heads)
     check_sinks(sinks, heads)
     if layout is None:
-        if mask_needs_segments(mask) and segment_ids is None:
-            raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
         pos = jnp.arange(seq, dtype=jnp.int32)
-        if mask_needs_spans(mask) and span_ids is None:
-            raise ValueError("This mask reads span ids: pass `span_ids=` or a `layout=`.")
         seg = pos * 0 - 1 if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
         span = pos * 0 - 1 if span_ids is None else jnp.asarray(span_ids, jnp.int32)
         info = TokenInfo(*jnp.broadcast_arrays(pos, seg, span, pos >= 0))

@@ -12,10 +12,11 @@ from ._comm import RingConfig, shift, shift_compressed
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout
-from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
-from ._score_mods import AbstractScoreMod, apply_sinks, check_score_mod, check_sinks
+from ._masks import AbstractMask, Full, check_ids
+from ._score_mods import AbstractScoreMod, apply_sinks, check_sinks
+from ._steps import early_stop_error, ring_window
 from ._strategies._uniform import Uniform
-from ._tokens import BlockSummary, TokenInfo
+from ._tokens import TokenInfo
 
 
 def _merge(o, lse, o_new, lse_new):
@@ -152,60 +153,6 @@ def _ring_bwd(st: _Static, res, cts):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _ring_window(mask: AbstractMask, layout: Layout) -> tuple[int, int]:
-    """`(num_ahead, num_steps)`: the ring starts `num_ahead` shards ahead and runs
-    `num_steps` steps, so device `i` meets the shards `i + num_ahead, ..., i + num_ahead -
-    num_steps + 1` (mod the shard count)."""
-    p = layout.num_shards
-    behind, ahead = mask.max_distance(), mask.max_lookahead()
-    if behind is None or ahead is None or not layout.contiguous:
-        return 0, p
-
-    # In a contiguous layout whose shards between two others are full (capacity C), a
-    # query of shard i and a key of shard i - s are at least (s - 1) * C + 1 apart for
-    # s >= 1; pairs within `bound` need s <= ceil(bound / C). The same holds ahead.
-    def reach(bound: int) -> int:
-        return math.ceil(max(bound, 0) / layout.capacity)
-
-    num_ahead = reach(ahead)
-    num_steps = reach(behind) + num_ahead + 1
-    if num_steps >= p:
-        return 0, p
-    return num_ahead, num_steps
-
-
-def num_ring_steps(mask: AbstractMask, layout: Layout) -> int:
-    """How many ring steps run: all of them, unless the mask bounds the distance between
-    attending positions (`max_distance` behind and `max_lookahead` ahead) and the layout
-    is contiguous. A causal window `W` over shards of capacity `C` needs
-    `ceil((W - 1) / C) + 1` steps; a two-sided one `2 ceil((W - 1) / C) + 1`."""
-    return _ring_window(mask, layout)[1]
-
-
-def _shards(layout: Layout) -> TokenInfo:
-    """Per-slot records `[batch, shards, capacity]` (batch 1 for unbatched layouts)."""
-    info = TokenInfo(layout.positions, layout.segments, layout.spans, layout.valid)
-    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[-2:]), info)
-
-
-def _early_stop_error(mask: AbstractMask, layout: Layout) -> Array:
-    """True where a shard pair that the early-stopped ring never meets may still attend.
-
-    `_ring_window` assumes full inner shards; a contiguous layout with short shards
-    (padding in the middle) could break that, and then the answer would be silently
-    wrong. The block rule on whole shards catches it, at the cost of a few scalars."""
-    num_ahead, num_steps = _ring_window(mask, layout)
-    p = layout.num_shards
-    summ = BlockSummary.of(_shards(layout), axis=(0, 2))
-    q = jax.tree.map(lambda x: x[:, None], summ)
-    k = jax.tree.map(lambda x: x[None, :], summ)
-    i = jnp.arange(p)[:, None]
-    j = jnp.arange(p)[None, :]
-    # Device i meets shard j at step (i + num_ahead - j) mod p.
-    met = (i + num_ahead - j) % p < num_steps
-    return jnp.any(~met & q.any_valid & k.any_valid & mask.may_attend(q, k))
 
 
 def _check_qkv(q, k, v) -> None:
@@ -364,7 +311,8 @@ def ring_attention(
     """
     _check_qkv(q, k, v)
     mask = Full() if mask is None else mask
-    check_score_mod(score_mod, q.shape[-2])
+    if score_mod is not None:
+        score_mod.check(q.shape[-2])
     check_sinks(sinks, q.shape[-2])
     config = RingConfig() if config is None else config
     kernel_obj = select_kernel(kernel, device_type, interpret=interpret)
@@ -423,19 +371,16 @@ def ring_attention(
                 f"shape of q {batch_shape}."
             )
         lay = layout
-    if segment_ids is None and layout is None and mask_needs_segments(mask):
-        raise ValueError("This mask reads segment ids: pass `segment_ids=` or a `layout=`.")
-    if span_ids is None and layout is None and mask_needs_spans(mask):
-        raise ValueError("This mask reads span ids: pass `span_ids=` or a `layout=`.")
-    check_mask(mask, lay.seq_len)
+    check_ids(mask, segment_ids, span_ids, layout)
+    mask.check(lay.seq_len)
 
     info = _broadcast_info(lay.token_info(), batch)
-    num_ahead, num_steps = _ring_window(mask, lay)
+    num_ahead, num_steps = ring_window(mask, lay)
     if num_steps < num_shards:
         # Checked whenever the layout and mask are concrete (a runtime check would need a
         # host callback, which cannot stop an SPMD program on every device).
         with jax.ensure_compile_time_eval():
-            bad = _early_stop_error(mask, lay)
+            bad = early_stop_error(mask, lay)
         if not isinstance(bad, jax.core.Tracer) and bool(bad):
             raise ValueError(
                 f"The ring stops after {num_steps} of {num_shards} steps (the mask's "

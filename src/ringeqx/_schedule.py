@@ -7,8 +7,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._kernels._base import AbstractAttentionKernel
+from ._kernels._select import KernelName, select_kernel
 from ._layout import Layout
 from ._masks import AbstractMask
+from ._steps import ring_window
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -96,19 +99,26 @@ def _block_rule(mask: AbstractMask, q: BlockSummary, k: BlockSummary):
 
 
 def schedule(
-    layout: Layout, mask: AbstractMask, *, block_q: int = 512, block_kv: int = 512
+    layout: Layout,
+    mask: AbstractMask,
+    *,
+    kernel: KernelName | AbstractAttentionKernel = "auto",
 ) -> Schedule:
     """Count, without running attention, the work of every device at every ring step.
 
     It follows the ring exactly: the steps of [`ringeqx.num_ring_steps`][], the same
-    step skip (the mask's block rule on per-shard summaries) and the same tiles as
-    [`ringeqx.XlaKernel`][]`(block_q, block_kv)` (blocks larger than a shard shrink to it).
+    step skip (the mask's block rule on per-shard summaries) and the kernel's own tiles,
+    `block_q x block_kv` (tiles larger than a shard shrink to it).
 
     **Arguments:**
 
     - `layout`: a [`ringeqx.Layout`][] (batch axes are summed over).
     - `mask`: the attention mask.
-    - `block_q`, `block_kv`: the kernel's tile sizes.
+    - `kernel`: the kernel whose tiles are counted: an
+        [`ringeqx.AbstractAttentionKernel`][] (used as it is, on any device, so a TPU
+        kernel's schedule can be planned on a laptop), or a name that
+        [`ringeqx.select_kernel`][] resolves for the present device, as
+        [`ringeqx.ring_attention`][] does (default `"auto"`: the ring's own default).
 
     **Returns:** a [`ringeqx.Schedule`][]; see its `imbalance` and `critical_path`.
 
@@ -116,14 +126,13 @@ def schedule(
 
     ```python
     layout = ringeqx.Zigzag().layout(8192, 8)
-    s = ringeqx.schedule(layout, ringeqx.Causal())
+    s = ringeqx.schedule(layout, ringeqx.Causal(), kernel=ringeqx.PallasTpuKernel())
     print(s.imbalance, s.critical_path)
     ```
     """
-    for name, value in (("block_q", block_q), ("block_kv", block_kv)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"schedule `{name}` must be an integer >= 1; got {value!r}.")
-    return _schedule(layout, mask, block_q, block_kv)
+    if not isinstance(kernel, AbstractAttentionKernel):
+        kernel = select_kernel(kernel)
+    return _schedule(layout, mask, kernel.block_q, kernel.block_kv)
 
 
 @eqx.filter_jit
@@ -163,11 +172,8 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
 
     pairs = jax.lax.map(shard_pairs, info)  # [q shard, kv shard]
 
-    # Imported here: the ring imports the strategies, whose base class imports this.
-    from ._ring import _ring_window
-
     # Device i starts `ahead` shards ahead and meets shard i + ahead - s at step s.
-    ahead, steps = _ring_window(mask, layout)
+    ahead, steps = ring_window(mask, layout)
     dev = jnp.arange(num_shards)[None, :]
     src = (dev + ahead - jnp.arange(steps)[:, None]) % num_shards
     run = tiles[dev, src]

@@ -23,8 +23,8 @@ class AbstractScoreMod(eqx.Module):
     trained, are not a score modifier but the `sinks=` argument of
     [`ringeqx.ring_attention`][], which differentiates them exactly.
 
-    Subclass it to write your own (implement `__call__` and `for_head`); combine several
-    with [`ringeqx.Chain`][].
+    Subclass it to write your own (implement `__call__`, `for_head` and `check`); combine
+    several with [`ringeqx.Chain`][].
     """
 
     @abc.abstractmethod
@@ -56,6 +56,16 @@ class AbstractScoreMod(eqx.Module):
         over all heads, before the kernel, and hand each program its head's arrays
         through a block spec (no per-head slicing inside the kernel, which Triton and
         Mosaic cannot lower).
+        """
+
+    @abc.abstractmethod
+    def check(self, heads: int) -> None:
+        """Trace-time check of the modifier against the number of query heads.
+
+        Raise a `ValueError` naming the offending field when the modifier cannot serve
+        `heads` query heads (ALiBi slopes of another length); a modifier without per-head
+        parameters does nothing (`pass`). `ring_attention` and `reference_attention` call
+        it before anything runs.
         """
 
 
@@ -93,6 +103,9 @@ class Softcap(AbstractScoreMod):
 
     def for_head(self, head: Int[Array, ""]) -> "Softcap":
         return self
+
+    def check(self, heads: int) -> None:
+        pass
 
 
 class ALiBi(AbstractScoreMod):
@@ -135,7 +148,7 @@ class ALiBi(AbstractScoreMod):
         k: TokenInfo,
     ) -> Float[Array, "*batch heads q k"]:
         heads = scores.shape[-3]
-        check_score_mod(self, heads)
+        self.check(heads)
         n = scores.ndim
         dist = jnp.abs(q.positions - k.positions).astype(scores.dtype)
         slopes = self.slopes.astype(scores.dtype).reshape(heads, 1, 1)
@@ -143,6 +156,13 @@ class ALiBi(AbstractScoreMod):
 
     def for_head(self, head: Int[Array, ""]) -> "ALiBi":
         return ALiBi(jax.lax.dynamic_slice_in_dim(self.slopes, head, 1))
+
+    def check(self, heads: int) -> None:
+        got = self.slopes.shape[0]
+        if got != heads:
+            raise ValueError(
+                f"ALiBi `slopes` must have one entry per query head ({heads}); got {got}."
+            )
 
 
 class Chain(AbstractScoreMod):
@@ -176,21 +196,9 @@ class Chain(AbstractScoreMod):
     def for_head(self, head: Int[Array, ""]) -> "Chain":
         return Chain(*(mod.for_head(head) for mod in self.mods))
 
-
-def check_score_mod(score_mod: AbstractScoreMod | None, heads: int) -> None:
-    """Trace-time checks of a modifier against the number of query heads."""
-    match score_mod:
-        case ALiBi():
-            got = score_mod.slopes.shape[0]
-            if got != heads:
-                raise ValueError(
-                    f"ALiBi `slopes` must have one entry per query head ({heads}); got {got}."
-                )
-        case Chain():
-            for mod in score_mod.mods:
-                check_score_mod(mod, heads)
-        case _:
-            pass
+    def check(self, heads: int) -> None:
+        for mod in self.mods:
+            mod.check(heads)
 
 
 def check_sinks(sinks, heads: int) -> None:

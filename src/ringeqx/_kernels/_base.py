@@ -23,8 +23,19 @@ class AbstractAttentionKernel(eqx.Module):
     - `q_info`, `kv_info`: token records `[batch, q_len]` and `[batch, kv_len]`; pairs with
       an invalid (padding) token never attend.
 
-    Block sizes and `interpret` are static fields of concrete kernels.
+    Every kernel works in `block_q x block_kv` tiles (static fields of the concrete
+    kernel), which [`ringeqx.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
+    tunes; `interpret` is a static field of the Pallas kernels.
     """
+
+    block_q: eqx.AbstractVar[int]
+    block_kv: eqx.AbstractVar[int]
+
+    @abc.abstractmethod
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        """The `(block_q, block_kv)` pairs that [`ringeqx.tune_block_sizes`][] tries by
+        default: tiles this kernel accepts and that suit its device (a kernel whose tiles
+        cannot be tuned returns `[(self.block_q, self.block_kv)]`)."""
 
     @abc.abstractmethod
     def devices(self) -> frozenset[str]:

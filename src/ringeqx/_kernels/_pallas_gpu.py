@@ -235,6 +235,10 @@ class PallasGpuKernel(AbstractAttentionKernel):
     num_stages: int = eqx.field(static=True, default=2)
     interpret: bool = eqx.field(static=True, default=False)
 
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        # A Triton program holds its score tile in registers: small tiles.
+        return [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)

@@ -283,6 +283,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
     block_kv: int = eqx.field(static=True, default=1024)
     interpret: bool = eqx.field(static=True, default=False)
 
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
+
     def __check_init__(self):
         for name, multiple in (("block_q", _SUBLANES), ("block_kv", _LANES)):
             value = getattr(self, name)

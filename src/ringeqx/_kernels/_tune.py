@@ -14,26 +14,6 @@ from .._masks import AbstractMask, Full
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
 from ._base import AbstractAttentionKernel
-from ._pallas_gpu import PallasGpuKernel
-from ._pallas_tpu import PallasTpuKernel
-from ._xla import XlaKernel
-
-
-def _default_candidates(kernel: AbstractAttentionKernel) -> list[tuple[int, int]]:
-    match kernel:
-        case XlaKernel():
-            sizes = (256, 512, 1024)
-            return [(bq, bk) for bq in sizes for bk in sizes]
-        case PallasGpuKernel():
-            return [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
-        case PallasTpuKernel():
-            return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
-        case _:
-            raise ValueError(
-                "tune_block_sizes has no default candidates for "
-                f"{type(kernel).__name__}; pass "
-                "`candidates=[(block_q, block_kv), ...]`."
-            )
 
 
 def tune_block_sizes(
@@ -63,12 +43,13 @@ def tune_block_sizes(
 
     **Arguments:**
 
-    - `kernel`: the kernel to tune (its other settings, such as `interpret`, are kept).
-        It must have `block_q` and `block_kv` fields.
+    - `kernel`: the kernel to tune (its other settings, such as `interpret`, are kept;
+        its tiles are replaced with `dataclasses.replace`).
     - `heads`, `q_len`, `head_dim`, `kv_heads` (default `heads`), `kv_len` (default
         `q_len`), `batch`, `dtype`: the problem.
     - `mask`, `score_mod`: as in [`ringeqx.ring_attention`][] (default `Full()`).
-    - `candidates`: `(block_q, block_kv)` pairs (default: a grid suited to the kernel).
+    - `candidates`: `(block_q, block_kv)` pairs (default: the kernel's own
+        `tile_candidates()`).
         A candidate the kernel rejects is an error, not skipped.
     - `backward`: also time the backward.
     - `repeats`: timed runs per candidate, >= 1.
@@ -84,15 +65,9 @@ def tune_block_sizes(
     )
     ```
     """
-    names = {f.name for f in dataclasses.fields(kernel)}
-    if not {"block_q", "block_kv"} <= names:
-        raise ValueError(
-            f"tune_block_sizes needs a kernel with `block_q` and `block_kv` fields; "
-            f"{type(kernel).__name__} has {sorted(names)}."
-        )
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"`repeats` must be an integer >= 1; got {repeats!r}.")
-    candidates = _default_candidates(kernel) if candidates is None else list(candidates)
+    candidates = kernel.tile_candidates() if candidates is None else list(candidates)
     if not candidates:
         raise ValueError(
             "`candidates` must hold at least one (block_q, block_kv) pair."

@@ -105,6 +105,10 @@ class XlaKernel(AbstractAttentionKernel):
     block_q: int = eqx.field(static=True, default=256)
     block_kv: int = eqx.field(static=True, default=256)
 
+    def tile_candidates(self) -> list[tuple[int, int]]:
+        sizes = (256, 512, 1024)
+        return [(bq, bk) for bq in sizes for bk in sizes]
+
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)

@@ -5,6 +5,8 @@ import abc
 import equinox as eqx
 from jaxtyping import Array, Int
 
+from .._kernels._base import AbstractAttentionKernel
+from .._kernels._select import KernelName
 from .._layout import Layout
 from .._masks import AbstractMask
 from .._schedule import Schedule, schedule
@@ -48,9 +50,8 @@ class AbstractShardingStrategy(eqx.Module):
         layout: Layout,
         mask: AbstractMask,
         *,
-        block_q: int = 512,
-        block_kv: int = 512,
+        kernel: KernelName | AbstractAttentionKernel = "auto",
     ) -> Schedule:
         """The work per device per ring step of `layout` under `mask`: the same as
         [`ringeqx.schedule`][] (defined once here; subclasses do not override it)."""
-        return schedule(layout, mask, block_q=block_q, block_kv=block_kv)
+        return schedule(layout, mask, kernel=kernel)

@@ -1,0 +1,153 @@
+"""The shape of the package: which module may import which, and how long a function is.
+
+Read from the source with `ast` (no import runs), so imports inside functions count too.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+PACKAGE = "ringeqx"
+
+# Below the strategies: a strategy produces a Layout, and these never see one.
+NO_STRATEGY = ("_ring", "_steps", "_kernels", "_masks", "_layout", "_tokens", "_score_mods")
+MAX_LINES = 80
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    modules = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(name: str, source: str, is_package: bool, modules) -> set[str]:
+    """Modules of the package that `name` imports, anywhere in its source."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                # `from .x import y` is relative to the package holding the module.
+                base = name.split(".")
+                base = base[: len(base) - node.level + is_package]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # `from . import _pallas_tiles` names a module; `from ._masks import Causal`
+            # names a thing in one.
+            targets = [
+                f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem
+                for alias in node.names
+            ]
+        else:
+            continue
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: _imports(name, path.read_text(), path.name == "__init__.py", modules)
+        for name, path in modules.items()
+    }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_the_graph_is_read_correctly():
+    graph = _graph()
+    # Relative imports of both forms, from a package and from a module, and one made
+    # inside a function body would all be edges.
+    assert "ringeqx._masks" in graph["ringeqx._kernels._xla"]
+    assert "ringeqx._kernels._pallas_tiles" in graph["ringeqx._kernels._pallas_gpu"]
+    assert "ringeqx.nn" in graph["ringeqx"]
+    assert "ringeqx._steps" in graph["ringeqx._schedule"]
+    source = "def f():\n    from .._ring import ring_attention\n"
+    found = _imports("ringeqx._kernels._made_up", source, False, _modules())
+    assert found == {"ringeqx._ring"}
+    # The cycle this test was written against: the schedule importing the ring inside a
+    # function, the ring importing a strategy, the strategies' base the schedule.
+    old = {
+        "ringeqx._schedule": {"ringeqx._ring"},
+        "ringeqx._ring": {"ringeqx._strategies._uniform"},
+        "ringeqx._strategies._uniform": {"ringeqx._strategies._base"},
+        "ringeqx._strategies._base": {"ringeqx._schedule"},
+    }
+    assert _cycle(old) == [
+        "ringeqx._ring",
+        "ringeqx._strategies._uniform",
+        "ringeqx._strategies._base",
+        "ringeqx._schedule",
+        "ringeqx._ring",
+    ]
+
+
+def test_no_import_cycle():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("part", NO_STRATEGY)
+def test_parts_below_the_strategies_import_none(part):
+    graph = _graph()
+    name = f"{PACKAGE}.{part}"
+    starts = [m for m in graph if m == name or m.startswith(name + ".")]
+    assert starts, name
+    for start in starts:
+        strategies = {m for m in _reachable(graph, start) if "._strategies" in m}
+        assert not strategies, f"{start} imports (perhaps through others) {sorted(strategies)}"
+
+
+def _long_functions() -> list[tuple[str, int]]:
+    long = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES:
+                    long.append((f"{name}:{node.name} (line {node.lineno})", lines))
+    return long
+
+
+def test_no_long_functions():
+    # A function longer than a screen is split along its seams (docstring included).
+    long = _long_functions()
+    assert not long, f"functions over {MAX_LINES} lines: {long}"
