@@ -11,10 +11,9 @@ from jaxtyping import Array, Float, Int
 from ._comm import RingConfig, shift, shift_compressed
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
-from ._layout import Layout
+from ._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, check_mask, mask_needs_segments, mask_needs_spans
 from ._score_mods import AbstractScoreMod, apply_sinks, check_score_mod, check_sinks
-from ._strategies._uniform import Uniform
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -390,16 +389,15 @@ def ring_attention(
             return x.reshape(batch, -1) if x.ndim > 1 else x
 
         segment_ids = ids("segment_ids", segment_ids)
-        lay = Uniform().layout(
+        # Contiguous shards in the original order: sharding them only pads the end, so
+        # sequence-sharded inputs stay sharded (no device ever holds the whole sequence).
+        lay = contiguous_layout(
             seq,
             num_shards,
             segment_ids=segment_ids,
             span_ids=ids("span_ids", span_ids),
         )
-        if lay.batch_shape:
-            q3, k3, v3 = (jax.vmap(Layout.shard)(lay, x) for x in (q3, k3, v3))
-        else:
-            q3, k3, v3 = (jax.vmap(lay.shard)(x) for x in (q3, k3, v3))
+        q3, k3, v3 = (lay.shard(x, axis=1) for x in (q3, k3, v3))
     else:
         for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
             if ids_given is not None:
@@ -476,11 +474,6 @@ def ring_attention(
     if sinks is not None:
         out = apply_sinks(out, lse, sinks).astype(q.dtype)
     if layout is None:
-        # Back to the original order; on Explicit axes the gather needs the sequence
-        # axis whole first.
-        out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
-        if lay.batch_shape:
-            out = jax.vmap(Layout.unshard)(lay, out)
-        else:
-            out = jax.vmap(lay.unshard)(out)
+        # Drops the end padding: a slice, so the output keeps the input's sharding.
+        out = lay.unshard(out, axis=1)
     return out.reshape(batch_shape + (seq, heads, head_dim))
