@@ -12,7 +12,7 @@ import nox
 
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "docs"]
 
 ROOT = Path(__file__).parent
 
@@ -52,7 +52,7 @@ def lint(session: nox.Session) -> None:
     Posargs go to ruff.
     """
     session.install("-e", ".", "ruff", "pyright[nodejs]")
-    paths = ["src", "tests", "benchmarks", "notebooks", "noxfile.py"]
+    paths = ["src", "tests", "benchmarks", "notebooks", "docs", "noxfile.py"]
     session.run("ruff", "check", *paths, *session.posargs)
     session.run("pyright", "src")
 
@@ -105,3 +105,17 @@ def notebooks(session: nox.Session) -> None:
     if not paths:
         session.error("No notebooks found in notebooks/.")
     session.run("python", "-c", _RUN_NOTEBOOKS, *paths)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into `site/` with `mkdocs build --strict`.
+
+    First checks that every public name of `ringeqx` and `ringeqx.nn` has an API page
+    (`docs/check_api.py`). Strict: a broken link, an unresolved `[ringeqx.X][]` reference or
+    any other warning fails. Notebooks are shown as committed, not executed (the
+    `notebooks` session runs them). Posargs go to `mkdocs build` (e.g. `--site-dir DIR`).
+    """
+    session.install("-e", ".[docs]")
+    session.run("python", "docs/check_api.py")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})

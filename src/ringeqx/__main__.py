@@ -5,4 +5,6 @@ import sys
 from ._cli import main
 
 
-sys.exit(main())
+# Guarded so that importing the module (the docs build inspects every module) runs nothing.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,8 +31,9 @@ class Layout(eqx.Module):
     - `valid`: `bool[*batch, shards, capacity]`, False for padding.
     - `seq_len`: static, the length of the original sequence.
     - `contiguous`: static, True when every shard holds one run of consecutive positions
-        and shard `s + 1` continues where shard `s` ended (Uniform, Boundary). Masks with a
-        bounded `max_distance` then need fewer ring steps.
+        and shard `s + 1` continues where shard `s` ended, with no short shard in the middle
+        (Uniform; not Boundary, whose shards may be short). Masks with a bounded
+        `max_distance` then need fewer ring steps.
     - `in_order`: static, True when slot `i` of the layout-order axis holds token `i` and
         the padding is all at the end ([`ringeqx.contiguous_layout`][], `Uniform`): then
         `shard`/`unshard` pad and slice instead of gathering, and sequence-sharded arrays

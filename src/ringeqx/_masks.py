@@ -142,7 +142,7 @@ class SlidingWindow(AbstractMask):
 
     Causal (the default): $0 \le q - k < \text{window}$. Two-sided:
     $|q - k| < \text{window}$, for encoders. Positions are original positions, so the
-    window is exact under every strategy; with contiguous layouts (`Uniform`, `Boundary`)
+    window is exact under every strategy; with contiguous layouts (`Uniform`)
     the ring also stops early: shards of capacity $C$ need
     $\lceil (\text{window} - 1) / C \rceil + 1$ ring steps per direction instead of one per
     device, which cuts both compute and communication.

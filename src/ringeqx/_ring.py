@@ -317,7 +317,9 @@ def ring_attention(
         layout only (a layout carries its own).
     - `layout`: a [`ringeqx.Layout`][]; then q/k/v are in layout order (see
         `Layout.shard`) and the result is too. Without one, contiguous shards are used
-        and the input and output are in the original order.
+        (padded at the end where `seq` is not a multiple of the devices) and the input
+        and output are in the original order. Either way nothing gathers the sequence:
+        the output keeps the sequence sharding of `q`.
     - `mesh`: the device mesh (default: the one set by `jax.set_mesh`; with a single
         device and no mesh, a one-device ring). Batch axes are sharded over its axis
         `"batch"` when it has one.

@@ -98,7 +98,7 @@ def select_kernel(
     | `"pallas_gpu"` | interpret   | `PallasGpuKernel` | interpret         |
     | `"pallas_tpu"` | interpret   | interpret         | `PallasTpuKernel` |
 
-    Kernels chosen by name get the default tiles of their device (512 x 512 for XLA on
+    Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
     the CPU, 512 x 1024 for XLA and Mosaic on accelerators, 128 x 64 for Triton, whose
     score tile lives in registers); [`ringeqx.tune_block_sizes`][] measures better ones.
     Nothing falls back silently: a device that JAX does not have, or a Pallas kernel
