@@ -476,6 +476,10 @@ def ring_attention(
     if sinks is not None:
         out = apply_sinks(out, lse, sinks).astype(q.dtype)
     if layout is None:
-        # Drops the end padding: a slice, so the output keeps the input's sharding.
+        # Drops the end padding: a slice, so the output keeps the input's sharding. With
+        # padding, `seq` has no even sharding (JAX cannot have placed q sharded): the
+        # result comes back whole, as q came in; Explicit axes need that said first.
+        if lay.sharded_len != seq:
+            out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
         out = lay.unshard(out, axis=1)
     return out.reshape(batch_shape + (seq, heads, head_dim))
