@@ -10,7 +10,11 @@ from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
-from ._layout import Layout as Layout, layout_from_order as layout_from_order
+from ._layout import (
+    Layout as Layout,
+    contiguous_layout as contiguous_layout,
+    layout_from_order as layout_from_order,
+)
 from ._masks import (
     AbstractMask as AbstractMask,
     And as And,

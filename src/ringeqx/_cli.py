@@ -46,6 +46,52 @@ def _temp_bytes(compiled: Any) -> int | None:
     return None if stats is None else int(stats.temp_size_in_bytes)
 
 
+def _device_bytes(compiled: Any) -> tuple[int, int, int] | None:
+    """Per-device `(arguments, outputs, temp)` bytes of a compiled program (None where
+    XLA does not say)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return (
+        int(stats.argument_size_in_bytes),
+        int(stats.output_size_in_bytes),
+        int(stats.temp_size_in_bytes),
+    )
+
+
+def _memory_at_twice(args: argparse.Namespace, num_devices: int, ring) -> int | str:
+    """What per-device memory becomes on a ring of twice the devices: measured by
+    compiling the same program there (nothing runs), or why it could not be."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    platform = _platform(args.device_type)
+    devices = jax.devices(platform) if platform else jax.devices()
+    twice = 2 * num_devices
+    if len(devices) < twice:
+        return (
+            f"not measured (only {len(devices)} devices visible); every array stays "
+            "sharded, so expect about half"
+        )
+    if args.seq_len % twice:
+        return f"not measured (--seq-len is not a multiple of {twice})"
+    mesh = Mesh(np.asarray(devices[:twice]), ("sequence",), axis_types=(AxisType.Auto,))
+    seq = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    shapes = (
+        (1, args.seq_len, args.heads, args.head_dim),
+        (1, args.seq_len, args.kv_heads, args.head_dim),
+        (1, args.seq_len, args.kv_heads, args.head_dim),
+        (1, args.seq_len, args.heads, args.head_dim),
+    )
+    structs = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=seq) for s in shapes]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(_forward_backward(ring)).lower(*structs).compile()
+    found = _device_bytes(compiled)
+    return "n/a (memory_analysis unavailable)" if found is None else sum(found)
+
+
 def _ring_mesh(num_devices: int, platform: str | None):
     """A one-axis `("sequence",)` mesh over the first `num_devices` devices.
 
@@ -111,7 +157,7 @@ def _max_error(a, b) -> float:
 
 def demo(args: argparse.Namespace) -> int:
     """Causal GQA ring attention, forward and backward, on a ring of (fake) devices."""
-    total = 5
+    total = 6
     _step(1, total, "starting JAX")
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -151,7 +197,7 @@ def demo(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         compiled = jax.jit(_forward_backward(ring)).lower(*arrays).compile()
         compile_s = time.perf_counter() - start
-        temp = _temp_bytes(compiled)
+        memory = _device_bytes(compiled)
         _say(f"      compiled in {compile_s:.1f} s")
 
         _step(4, total, "running forward + backward")
@@ -162,8 +208,13 @@ def demo(args: argparse.Namespace) -> int:
     work = 3.5 * 2.0 * args.seq_len**2 * args.heads * args.head_dim
     _say(f"      ran in {run_s:.2f} s ({work / run_s / 1e9:.1f} GFLOP/s over the ring)")
 
+    # Compile only (nothing runs) on a ring twice as large, to show the per-device memory
+    # halving: every array, inputs to gradients, stays sharded over the sequence.
+    _step(5, total, f"compiling the same program for {2 * num_devices} devices (memory only)")
+    at_twice = _memory_at_twice(args, num_devices, ring)
+
     small = min(args.check_len, args.seq_len)
-    _step(5, total, f"checking against reference_attention at {small} tokens")
+    _step(6, total, f"checking against reference_attention at {small} tokens")
     small_arrays = _qkv(jax.random.key(args.seed + 1), 1, small, *shape[2:])
     with jax.set_mesh(mesh):
         got_out, got_grads = jax.jit(_forward_backward(ring))(*small_arrays)
@@ -178,10 +229,17 @@ def demo(args: argparse.Namespace) -> int:
     )
     _say(f"  compile                          {compile_s:8.2f} s")
     _say(f"  forward + backward               {run_s:8.2f} s")
-    if temp is None:
-        _say("  temp memory per device               n/a (memory_analysis unavailable)")
+    if memory is None:
+        _say("  memory per device                     n/a (memory_analysis unavailable)")
     else:
-        _say(f"  temp memory per device           {_mib(temp):>12}")
+        arg_b, out_b, temp_b = memory
+        _say(
+            f"  memory per device                {_mib(sum(memory)):>12}  (arguments "
+            f"{_mib(arg_b)} + outputs {_mib(out_b)} + temp {_mib(temp_b)})"
+        )
+    if isinstance(at_twice, int) and memory is not None:
+        at_twice = f"{_mib(at_twice):>12}  ({at_twice / sum(memory):.2f}x)"
+    _say(f"  ... at 2x the devices ({2 * num_devices:>3})       {at_twice}")
     _say(f"  max |out - reference|            {out_error:12.2e}  ({small} tokens)")
     _say(f"  max |grad - reference|           {grad_error:12.2e}  ({small} tokens)")
     ok = out_error < 1e-3 and grad_error < 1e-2
@@ -303,8 +361,9 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="causal GQA ring attention, forward + backward, checked against dense",
         description="Causal GQA ring attention, forward and backward, on a ring of "
-        "(fake) devices: prints compile and run time, temp memory per device, and the "
-        "error against dense attention on a smaller copy of the problem.",
+        "(fake) devices: prints compile and run time, memory per device (and what it "
+        "becomes on twice the devices), and the error against dense attention on a "
+        "smaller copy of the problem.",
     )
     common(demo_parser, seq_len=16384, heads=8, kv_heads=2)
     demo_parser.add_argument(
@@ -336,5 +395,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--heads must be a multiple of --kv-heads; got {args.heads} and "
             f"{args.kv_heads}"
         )
-    _force_host_devices(args.devices)
+    # The demo also compiles for twice the devices, to show per-device memory halving.
+    _force_host_devices(2 * args.devices if args.command == "demo" else args.devices)
     return args.run(args)

@@ -1,6 +1,9 @@
 """The `Layout`: where every token of a sharded sequence lives."""
 
+import math
+
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
@@ -31,6 +34,10 @@ class Layout(eqx.Module):
         and shard `s + 1` continues where shard `s` ended, with no short shard in the middle
         (Uniform; not Boundary, whose shards may be short). Masks with a bounded
         `max_distance` then need fewer ring steps.
+    - `in_order`: static, True when slot `i` of the layout-order axis holds token `i` and
+        the padding is all at the end ([`ringeqx.contiguous_layout`][], `Uniform`): then
+        `shard`/`unshard` pad and slice instead of gathering, and sequence-sharded arrays
+        keep their sharding.
 
     A layout with leading batch axes (made from batched segment ids) describes each example
     separately.
@@ -42,6 +49,7 @@ class Layout(eqx.Module):
     valid: Bool[Array, "*batch shards capacity"]
     seq_len: int = eqx.field(static=True)
     contiguous: bool = eqx.field(static=True, default=False)
+    in_order: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         shape = self.positions.shape
@@ -84,49 +92,92 @@ class Layout(eqx.Module):
             self.valid.reshape(flat),
         )
 
-    def shard(self, x: Shaped[Array, " seq *rest"]) -> Shaped[Array, " sharded *rest"]:
-        """Move one example from original order to layout order; padding slots get zeros.
+    def _seq_axis(self, x, length: int, axis: int | None, method: str) -> int:
+        """The sequence axis of `x`: `axis`, or the first axis after the layout's batch
+        axes whose length is `length`."""
+        nb = len(self.batch_shape)
+        if x.shape[:nb] != self.batch_shape:
+            raise ValueError(
+                f"Layout.{method}: the layout has batch shape {self.batch_shape}, so the "
+                f"array must start with it; got shape {x.shape}."
+            )
+        if axis is None:
+            found = [a for a in range(nb, x.ndim) if x.shape[a] == length]
+            if not found:
+                raise ValueError(
+                    f"Layout.{method} expected an array with an axis of length {length} "
+                    f"after the layout's batch axes {self.batch_shape}; got shape {x.shape}."
+                )
+            return found[0]
+        axis = axis % x.ndim if -x.ndim <= axis < x.ndim else axis
+        if not nb <= axis < x.ndim or x.shape[axis] != length:
+            raise ValueError(
+                f"Layout.{method}: `axis`={axis} must be an axis of length {length} after "
+                f"the layout's batch axes {self.batch_shape}; got shape {x.shape}."
+            )
+        return axis
+
+    def _per_example(self, fn, x, axis: int):
+        """Run `fn(layout, x, axis)` with the layout's batch axes mapped by `jax.vmap`."""
+        for _ in self.batch_shape:
+            fn = jax.vmap(fn, in_axes=(0, 0, None))
+        nb = len(self.batch_shape)
+        return fn(self, x, axis - nb)
+
+    def shard(
+        self, x: Shaped[Array, "..."], *, axis: int | None = None
+    ) -> Shaped[Array, "..."]:
+        """Move arrays from original order to layout order; padding slots get zeros.
+
+        A layout in the original order (`in_order`: [`ringeqx.contiguous_layout`][],
+        `Uniform`) only pads the end of the sequence axis, so a sequence-sharded `x` stays
+        sharded and no device gathers the sequence. Other layouts gather.
 
         **Arguments:**
 
-        - `x`: an array whose leading axis is the original sequence (`seq_len`).
+        - `x`: `[*batch, seq_len, *rest]`; it starts with the layout's batch shape when the
+            layout is batched, and may have further leading batch axes otherwise.
+        - `axis`: the sequence axis (default: the first axis after the layout's batch
+            axes whose length is `seq_len`; give it when a batch axis has that length too).
 
-        **Returns:** the array in layout order, leading axis `num_shards * capacity`.
-        Use `jax.vmap` for batches (over the layout too if it is batched).
+        **Returns:** `x` with the sequence axis in layout order (`num_shards * capacity`).
         """
-        if self.batch_shape:
-            raise ValueError(
-                "Layout.shard handles one example; this layout has batch shape "
-                f"{self.batch_shape}: use jax.vmap over the layout and the array."
-            )
-        if x.ndim < 1 or x.shape[0] != self.seq_len:
-            raise ValueError(
-                f"Layout.shard expected an array with leading axis seq_len={self.seq_len}; "
-                f"got shape {x.shape}."
-            )
-        idx = jnp.clip(self.positions.reshape(-1), 0, self.seq_len - 1)
-        gathered = x[idx]
-        keep = self.valid.reshape((-1,) + (1,) * (x.ndim - 1))
-        return jnp.where(keep, gathered, jnp.zeros((), x.dtype))
+        axis = self._seq_axis(x, self.seq_len, axis, "shard")
+        if self.in_order:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, self.sharded_len - self.seq_len)
+            return jnp.pad(x, pad)
 
-    def unshard(self, y: Shaped[Array, " sharded *rest"]) -> Shaped[Array, " seq *rest"]:
-        """Move one example from layout order back to original order (drops padding)."""
-        if self.batch_shape:
-            raise ValueError(
-                "Layout.unshard handles one example; this layout has batch shape "
-                f"{self.batch_shape}: use jax.vmap over the layout and the array."
+        def one(layout, x, axis):
+            idx = jnp.clip(layout.positions.reshape(-1), 0, layout.seq_len - 1)
+            keep = layout.valid.reshape((-1,) + (1,) * (x.ndim - axis - 1))
+            return jnp.where(keep, jnp.take(x, idx, axis=axis), jnp.zeros((), x.dtype))
+
+        return self._per_example(one, x, axis)
+
+    def unshard(
+        self, y: Shaped[Array, "..."], *, axis: int | None = None
+    ) -> Shaped[Array, "..."]:
+        """Move arrays from layout order back to original order (drops padding).
+
+        The inverse of [`ringeqx.Layout.shard`][], with the same batching and `axis`
+        rules; a layout in the original order only slices the padding off the end.
+        """
+        axis = self._seq_axis(y, self.sharded_len, axis, "unshard")
+        if self.in_order:
+            return jax.lax.slice_in_dim(y, 0, self.seq_len, axis=axis)
+
+        def one(layout, y, axis):
+            # Gather through the inverse permutation (slot of each original token): the
+            # scatter runs on small int arrays only, and the gather's transpose is cheap.
+            idx = jnp.where(
+                layout.valid.reshape(-1), layout.positions.reshape(-1), layout.seq_len
             )
-        if y.ndim < 1 or y.shape[0] != self.sharded_len:
-            raise ValueError(
-                "Layout.unshard expected an array with leading axis "
-                f"num_shards * capacity={self.sharded_len}; got shape {y.shape}."
-            )
-        # Gather through the inverse permutation (slot of each original token): the
-        # scatter runs on small int arrays only, and the gather's transpose is cheap.
-        idx = jnp.where(self.valid.reshape(-1), self.positions.reshape(-1), self.seq_len)
-        slots = jnp.arange(self.sharded_len, dtype=jnp.int32)
-        inverse = jnp.zeros(self.seq_len, jnp.int32).at[idx].set(slots, mode="drop")
-        return y[inverse]
+            slots = jnp.arange(layout.sharded_len, dtype=jnp.int32)
+            inverse = jnp.zeros(layout.seq_len, jnp.int32).at[idx].set(slots, mode="drop")
+            return jnp.take(y, inverse, axis=axis)
+
+        return self._per_example(one, y, axis)
 
 
 def _check_ids(name: str, ids, seq_len: int) -> Array:
@@ -191,3 +242,60 @@ def layout_from_order(
         contiguous=contiguous,
     )
 
+
+
+def contiguous_layout(
+    seq_len: int,
+    num_shards: int,
+    *,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
+    span_ids: Int[Array, "*#batch seq"] | None = None,
+) -> Layout:
+    """Contiguous, equal shards in the original order: shard `s` holds tokens
+    `[s * C, (s + 1) * C)` with `C = ceil(seq_len / num_shards)`, padding at the end.
+
+    Built by padding and reshaping only (no gather), so per-token ids that are sharded
+    over the sequence stay sharded. This is the layout `ring_attention` uses without
+    `layout=`, and the one `Uniform` returns.
+
+    **Arguments:**
+
+    - `seq_len`: length of the original sequence.
+    - `num_shards`: devices on the ring.
+    - `segment_ids`, `span_ids`: optional per-token ids `[*batch, seq_len]`; batched ids
+        give a batched layout.
+
+    **Returns:** a [`ringeqx.Layout`][] with `contiguous=True` and `in_order=True`.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"`num_shards` must be an integer >= 1; got {num_shards!r}.")
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"`seq_len` must be an integer >= 1; got {seq_len!r}.")
+    capacity = math.ceil(seq_len / num_shards)
+    total = num_shards * capacity
+    batch = ()
+    if segment_ids is not None:
+        segment_ids = _check_ids("segment_ids", segment_ids, seq_len)
+        batch = segment_ids.shape[:-1]
+    if span_ids is not None:
+        span_ids = _check_ids("span_ids", span_ids, seq_len)
+        batch = jnp.broadcast_shapes(batch, span_ids.shape[:-1])
+    shape = batch + (num_shards, capacity)
+
+    def slots(ids):
+        if ids is None:
+            return jnp.full(shape, -1, jnp.int32)
+        ids = jnp.broadcast_to(ids, batch + (seq_len,))
+        pad = [(0, 0)] * len(batch) + [(0, total - seq_len)]
+        return jnp.pad(ids, pad, constant_values=-1).reshape(shape)
+
+    idx = jnp.arange(total, dtype=jnp.int32).reshape(num_shards, capacity)
+    return Layout(
+        positions=jnp.broadcast_to(jnp.where(idx < seq_len, idx, 0), shape),
+        segments=slots(segment_ids),
+        spans=slots(span_ids),
+        valid=jnp.broadcast_to(idx < seq_len, shape),
+        seq_len=seq_len,
+        contiguous=True,
+        in_order=True,
+    )

@@ -67,3 +67,20 @@ def permute_stats(hlo: str, shape: str = "") -> tuple[int, int, list[int]]:
             if body and trip and any("collective-permute" in x for x in comps[body.group(1)]):
                 trips.append(int(trip.group(1)))
     return ops, nbytes, trips
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """Every collective op in a compiled program's HLO text, as `(kind, result)`: the kind
+    (`"all-gather"`, `"all-reduce"`, `"all-to-all"`, `"reduce-scatter"`,
+    `"collective-permute"`; async `-start` forms count once, `-done` not at all) and the
+    result's type text (e.g. `"f32[1,128,4,64]"`), to tell activations from parameters."""
+    found = []
+    kinds = "|".join(_COLLECTIVES)
+    for line in hlo.splitlines():
+        m = re.search(rf"=\s*(.*?)\s({kinds})(?:-start)?\(", line)
+        if m:
+            found.append((m.group(2), m.group(1)))
+    return found

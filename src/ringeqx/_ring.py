@@ -11,11 +11,10 @@ from jaxtyping import Array, Float, Int
 from ._comm import RingConfig, shift, shift_compressed
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
-from ._layout import Layout
+from ._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, check_ids
 from ._score_mods import AbstractScoreMod, apply_sinks, check_sinks
 from ._steps import early_stop_error, ring_window
-from ._strategies._uniform import Uniform
 from ._tokens import TokenInfo
 
 
@@ -265,7 +264,9 @@ def ring_attention(
         layout only (a layout carries its own).
     - `layout`: a [`ringeqx.Layout`][]; then q/k/v are in layout order (see
         `Layout.shard`) and the result is too. Without one, contiguous shards are used
-        and the input and output are in the original order.
+        (padded at the end where `seq` is not a multiple of the devices) and the input
+        and output are in the original order. Either way nothing gathers the sequence:
+        the output keeps the sequence sharding of `q`.
     - `mesh`: the device mesh (default: the one set by `jax.set_mesh`; with a single
         device and no mesh, a one-device ring). Batch axes are sharded over its axis
         `"batch"` when it has one.
@@ -338,16 +339,15 @@ def ring_attention(
             return x.reshape(batch, -1) if x.ndim > 1 else x
 
         segment_ids = ids("segment_ids", segment_ids)
-        lay = Uniform().layout(
+        # Contiguous shards in the original order: sharding them only pads the end, so
+        # sequence-sharded inputs stay sharded (no device ever holds the whole sequence).
+        lay = contiguous_layout(
             seq,
             num_shards,
             segment_ids=segment_ids,
             span_ids=ids("span_ids", span_ids),
         )
-        if lay.batch_shape:
-            q3, k3, v3 = (jax.vmap(Layout.shard)(lay, x) for x in (q3, k3, v3))
-        else:
-            q3, k3, v3 = (jax.vmap(lay.shard)(x) for x in (q3, k3, v3))
+        q3, k3, v3 = (lay.shard(x, axis=1) for x in (q3, k3, v3))
     else:
         for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
             if ids_given is not None:
@@ -421,11 +421,10 @@ def ring_attention(
     if sinks is not None:
         out = apply_sinks(out, lse, sinks).astype(q.dtype)
     if layout is None:
-        # Back to the original order; on Explicit axes the gather needs the sequence
-        # axis whole first.
-        out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
-        if lay.batch_shape:
-            out = jax.vmap(Layout.unshard)(lay, out)
-        else:
-            out = jax.vmap(lay.unshard)(out)
+        # Drops the end padding: a slice, so the output keeps the input's sharding. With
+        # padding, `seq` has no even sharding (JAX cannot have placed q sharded): the
+        # result comes back whole, as q came in; Explicit axes need that said first.
+        if lay.sharded_len != seq:
+            out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
+        out = lay.unshard(out, axis=1)
     return out.reshape(batch_shape + (seq, heads, head_dim))

@@ -1,11 +1,8 @@
 """Contiguous shards."""
 
-import math
-
-import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._layout import Layout, layout_from_order
+from .._layout import Layout, contiguous_layout
 from ._base import AbstractShardingStrategy
 
 
@@ -35,13 +32,6 @@ class Uniform(AbstractShardingStrategy):
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
         check_num_shards(seq_len, num_shards)
-        capacity = math.ceil(seq_len / num_shards)
-        idx = jnp.arange(num_shards * capacity, dtype=jnp.int32)
-        order = jnp.where(idx < seq_len, idx, -1).reshape(num_shards, capacity)
-        return layout_from_order(
-            order,
-            seq_len,
-            segment_ids=segment_ids,
-            span_ids=span_ids,
-            contiguous=True,
+        return contiguous_layout(
+            seq_len, num_shards, segment_ids=segment_ids, span_ids=span_ids
         )

@@ -128,7 +128,8 @@ class RingAttention(eqx.Module):
 
         - `x`: activations `[seq, dim]`, in layout order when `layout` is given.
         - `layout`: the [`ringeqx.Layout`][] of the sequence (default: contiguous shards
-            made on the fly, `x` in original order).
+            made on the fly, `x` in original order). Either way a sequence-sharded `x`
+            gives a result sharded the same way; nothing gathers the sequence.
         - `segment_ids`, `span_ids`: document and span ids in original order, without a
             layout only (a layout carries its own).
         - `mesh`: the device mesh (default: the one set by `jax.set_mesh`).

@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._layout import Layout
@@ -110,7 +111,11 @@ class RingTransformerLM(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         mesh=None,
     ) -> Float[Array, "seq vocab"]:
-        """Logits for one example (`tokens` in layout order when `layout` is given)."""
+        """Logits for one example (`tokens` in layout order when `layout` is given).
+
+        Every layer is per token or ring attention, so tokens sharded over the ring's
+        sequence axis give logits sharded the same way: no device holds the sequence.
+        """
         x = jax.vmap(self.embedding)(tokens)
         for block in self.blocks:
 
@@ -120,3 +125,40 @@ class RingTransformerLM(eqx.Module):
             x = (eqx.filter_checkpoint(run) if self.checkpoint else run)(block, x)
         x = jax.vmap(self.final_norm)(x)
         return jax.vmap(self.head)(x)
+
+    def loss(
+        self,
+        tokens: Int[Array, " seq"],
+        labels: Int[Array, " seq"],
+        layout: Layout | None = None,
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        mesh=None,
+    ) -> Float[Array, ""]:
+        """Mean cross-entropy of one example, computed where the logits are.
+
+        Pass labels already aligned with the tokens (for next-token prediction,
+        `tokens = data[:-1]`, `labels = data[1:]`, shifted *before* sharding): the loss then
+        reads each device's own logits and labels, and a training step gathers no part
+        of the sequence (only parameter gradients are summed over the devices).
+
+        **Arguments:**
+
+        - `tokens`, `labels`: `[seq]`, in layout order when `layout` is given (shard
+            both with `layout.shard`); padding slots of the layout do not count.
+        - `layout`, `segment_ids`, `mesh`: as in `__call__`.
+
+        **Returns:** the mean over valid tokens of `logsumexp(logits) - logits[label]`.
+        """
+        if labels.shape != tokens.shape:
+            raise ValueError(
+                f"`labels` must have the shape of `tokens` {tokens.shape}; got {labels.shape}."
+            )
+        logits = self(tokens, layout, segment_ids=segment_ids, mesh=mesh)
+        logits = logits.astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        nll = jax.nn.logsumexp(logits, axis=-1) - picked
+        if layout is None:
+            return jnp.mean(nll)
+        valid = layout.token_info().valid
+        return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid)
