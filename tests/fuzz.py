@@ -51,7 +51,7 @@ if __name__ == "__main__":
     jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
-GROUP = 4  # configurations per shared static part (per compiled program)
+GROUP = 6  # configurations per shared static part (per compiled program)
 LENGTHS = (1, 2, 3, 5, 7, 12, 17, 24, 33, 41)  # a small set, so programs are reused
 STRATEGIES = (
     "uniform",
@@ -83,6 +83,7 @@ class Config:
     devices: int
     seq: int
     batch: int  # 0: no batch axis
+    batched_ids: bool  # per-example segment / span ids (a batched layout)
     heads: int
     kv_heads: int
     head_dim: int
@@ -161,7 +162,8 @@ def draw_config(seed: int, index: int) -> Config:
     return Config(
         devices=devices,
         seq=seq,
-        batch=int(r.choice([0, 0, 1, 2])),
+        batch=(batch := int(r.choice([0, 0, 1, 2]))),
+        batched_ids=bool(batch and r.random() < 0.5),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -209,12 +211,15 @@ def build_arrays(c: Config) -> dict[str, Any]:
     k = normal(*bshape, c.seq, c.kv_heads, c.head_dim)
     v = normal(*bshape, c.seq, c.kv_heads, c.head_dim)
     ct = normal(*bshape, c.seq, c.heads, c.head_dim)
-    lengths = r.integers(1, 10, size=8)
-    seg = np.resize(np.repeat(np.arange(8), lengths), c.seq).astype(np.int32)
-    spans = np.full(c.seq, -1, np.int32)
-    for sid in range(int(r.integers(0, 4))):
-        start = int(r.integers(0, c.seq))
-        spans[start : start + int(r.integers(1, 9))] = sid
+    ids_shape = (c.batch,) if c.batched_ids else ()
+    seg = np.zeros(ids_shape + (c.seq,), np.int32)
+    spans = np.full(ids_shape + (c.seq,), -1, np.int32)
+    for row_seg, row_spans in zip(seg.reshape(-1, c.seq), spans.reshape(-1, c.seq)):
+        lengths = r.integers(1, 10, size=8)
+        row_seg[:] = np.resize(np.repeat(np.arange(8), lengths), c.seq)
+        for sid in range(int(r.integers(0, 4))):
+            start = int(r.integers(0, c.seq))
+            row_spans[start : start + int(r.integers(1, 9))] = sid
     breaks = np.sort(r.integers(0, c.seq + 1, size=int(r.integers(1, 6)))).astype(np.int32)
     mask_params: list = []
     _mask_params(c.mask, r, c.seq, mask_params)
@@ -323,7 +328,8 @@ def ring_score_mod(kind: str, cap, slopes) -> rx.AbstractScoreMod | None:
 
 
 def dense_allowed(expr: Any, params: Iterator, qp, kp, qs, ks, qsp, ksp):
-    """Elementwise mask `[q, k]` from positions, segments and span ids."""
+    """Elementwise mask `[batch or 1, q, k]` from positions, segments and span ids
+    (queries `[., q, 1]`, keys `[., 1, k]`)."""
     match expr[0]:
         case "and":
             a = dense_allowed(expr[1], params, qp, kp, qs, ks, qsp, ksp)
@@ -332,7 +338,7 @@ def dense_allowed(expr: Any, params: Iterator, qp, kp, qs, ks, qsp, ksp):
             a = dense_allowed(expr[1], params, qp, kp, qs, ks, qsp, ksp)
             return a | dense_allowed(expr[2], params, qp, kp, qs, ks, qsp, ksp)
         case "full":
-            return jnp.ones(qp.shape[:1] + kp.shape[1:], bool)
+            return jnp.ones_like(qp >= kp)
         case "causal":
             return qp >= kp
         case "document":
@@ -348,7 +354,7 @@ def dense_allowed(expr: Any, params: Iterator, qp, kp, qs, ks, qsp, ksp):
             return (qp >= kp) | ((qsp == ksp) & (qsp >= 0))
         case "block_sparse":
             size, table = expr[1], next(params)
-            return table[qp // size, kp // size]
+            return table[qp // size, kp // size]  # [1, q, k]
         case other:
             raise ValueError(f"unknown mask {other!r}")
 
@@ -360,12 +366,18 @@ def dense_attention(c: Config, q, k, v, sinks, extra):
     Rows that see nothing are zero.
     """
     seq = c.seq
-    pos = jnp.arange(seq)
+    # Records as [ids_batch or 1, q, 1] and [ids_batch or 1, 1, k].
+    pos = jnp.arange(seq)[None]
     seg, spans = extra["seg"], extra["spans"]
+    seg, spans = (x if c.batched_ids else x[None] for x in (seg, spans))
     allowed = dense_allowed(
         c.mask, iter(extra["mask_params"]),
-        pos[:, None], pos[None, :], seg[:, None], seg[None, :], spans[:, None], spans[None, :],
-    )  # [q, k]
+        pos[:, :, None], pos[:, None, :], seg[:, :, None], seg[:, None, :],
+        spans[:, :, None], spans[:, None, :],
+    )[:, None]  # [ids_batch or 1, 1 (heads), q, k]
+    if not c.batch:
+        allowed = allowed[0]
+    pos = pos[0]
     group = c.heads // c.kv_heads
     k = jnp.repeat(k, group, axis=-2)
     v = jnp.repeat(v, group, axis=-2)
@@ -412,9 +424,13 @@ def _compare(c_static, kernel, mesh, layout, arrays):
     mod = ring_score_mod(c.score_mod, arrays["cap"], arrays["slopes"])
 
     def shard(x):
+        if c.batched_ids:
+            return jax.vmap(rx.Layout.shard)(layout, x)
         return jax.vmap(layout.shard)(x) if c.batch else layout.shard(x)
 
     def unshard(y):
+        if c.batched_ids:
+            return jax.vmap(rx.Layout.unshard)(layout, y)
         return jax.vmap(layout.unshard)(y) if c.batch else layout.unshard(y)
 
     def ring(q, k, v, sinks):
@@ -535,8 +551,10 @@ def _candidates(c: Config) -> Iterator[Config]:
     for n in sorted({1, 2, 3, c.seq // 2, c.seq - 1}):
         if 1 <= n < c.seq:
             yield r(c, seq=n)
+    if c.batched_ids:
+        yield r(c, batched_ids=False)
     if c.batch:
-        yield r(c, batch=0)
+        yield r(c, batch=0, batched_ids=False)
     if c.kv_heads > 1:
         yield r(c, kv_heads=1, heads=c.heads // c.kv_heads)
     if c.heads > c.kv_heads:
