@@ -32,13 +32,13 @@ def _free_port() -> int:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL each worker's process group (its own session), then reap it."""
+    """SIGKILL each worker's process group (its own session), then reap it. Also the
+    groups of workers that already exited: anything they started dies with them."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for p in procs:
         p.wait(timeout=30)
 
@@ -81,7 +81,7 @@ def run_workers(
             if bad or time.monotonic() > deadline:
                 _kill(procs)
                 what = (
-                    f"process {bad[0]} exited with status {codes[bad[0]]}"
+                    ", ".join(f"process {i} exited with status {codes[i]}" for i in bad)
                     if bad
                     else f"the run exceeded {timeout:.0f} s"
                 )
@@ -126,8 +126,7 @@ def test_two_processes_match_single_process(tmp_path):
     assert not np.allclose(r["one_params"], r["ring_params"] * 0)
 
 
-def test_a_dead_process_fails_the_run_cleanly(tmp_path):
-    start = time.monotonic()
+def _recording_popen(monkeypatch) -> list[subprocess.Popen]:
     seen = []
     real_popen = subprocess.Popen
 
@@ -136,14 +135,26 @@ def test_a_dead_process_fails_the_run_cleanly(tmp_path):
         seen.append(p)
         return p
 
-    subprocess.Popen = popen
-    try:
-        with pytest.raises(WorkerFailed, match="process 1 exited with status 3"):
-            run_workers(tmp_path, timeout=120.0, extra=("--die",))
-    finally:
-        subprocess.Popen = real_popen
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return seen
+
+
+def test_a_dead_process_fails_the_run_cleanly(tmp_path, monkeypatch):
+    start = time.monotonic()
+    seen = _recording_popen(monkeypatch)
+    with pytest.raises(WorkerFailed, match="process 1 exited with status 3"):
+        run_workers(tmp_path, timeout=120.0, extra=("--die",))
     # Well before the coordinator's own heartbeat timeout (100 s): the harness, not
     # JAX, noticed the death; and nothing is left running.
     assert time.monotonic() - start < 60
+    assert len(seen) == 2
+    assert not any(_alive(p.pid) for p in seen)
+
+
+def test_a_run_past_its_timeout_is_killed(tmp_path, monkeypatch):
+    # Healthy workers that cannot finish in 2 s: the timeout path kills them all too.
+    seen = _recording_popen(monkeypatch)
+    with pytest.raises(WorkerFailed, match="the run exceeded 2 s"):
+        run_workers(tmp_path, timeout=2.0)
     assert len(seen) == 2
     assert not any(_alive(p.pid) for p in seen)
