@@ -44,11 +44,13 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run_workers(
-    tmp_path: Path, num_processes: int = 2, timeout: float = 240.0, extra=()
+    tmp_path: Path, num_processes: int = 2, timeout: float = 240.0, extra=(), command=None
 ) -> list[Path]:
     """Start the workers and wait; the first failure or the timeout kills them all.
 
-    **Returns:** each process's result file.
+    `command(i, port, out)` gives process `i`'s argv (default: the worker script).
+
+    **Returns:** each process's result file (its log is beside it, `worker{i}.log`).
     **Raises:** `WorkerFailed` (naming the process, its status and stderr tail) if a
     process exits non-zero or the run exceeds `timeout` seconds.
     """
@@ -65,7 +67,11 @@ def run_workers(
     procs = []
     try:
         for i in range(num_processes):
-            cmd = [sys.executable, str(WORKER), str(i), str(num_processes), str(port), str(outs[i])]
+            cmd = (
+                [sys.executable, str(WORKER), str(i), str(num_processes), str(port), str(outs[i])]
+                if command is None
+                else command(i, port, outs[i])
+            )
             # start_new_session: each worker leads its own process group, so killing the
             # group also kills anything it started.
             procs.append(
@@ -158,3 +164,21 @@ def test_a_run_past_its_timeout_is_killed(tmp_path, monkeypatch):
         run_workers(tmp_path, timeout=2.0)
     assert len(seen) == 2
     assert not any(_alive(p.pid) for p in seen)
+
+
+def test_demo_joins_a_multiprocess_run(tmp_path):
+    # `ringeqx demo` with the multi-process flags: 2 processes x 4 fake CPU devices, one
+    # ring of 8, checked against dense attention by the demo itself (exit status 0).
+    def demo(i, port, out):
+        return [
+            sys.executable, "-m", "ringeqx", "demo", "--seq-len", "64", "--check-len", "32",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "4",
+            "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--process-id", str(i), "--local-devices", "4",
+        ]
+
+    run_workers(tmp_path, command=demo)
+    for i in range(2):
+        log = (tmp_path / f"worker{i}.log").read_text()
+        assert f"process {i} of 2: 4 local / 8 global devices" in log, log
+        assert "8 devices" in log and "\n  OK" in log, log
