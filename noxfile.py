@@ -69,6 +69,19 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def fuzz(session: nox.Session) -> None:
+    """Run the differential fuzzer: ring attention against the fuzzer's dense attention.
+
+    Random configurations, outputs and gradients (see `docs/fuzzing.md`).
+    `nox -s fuzz -- --configs 500` checks 500 configurations (default seed: from the
+    commit); posargs go to `tests/fuzz.py` (`--seed`, `--start`, `--index`, `--config`,
+    `-v`). Mismatches are shrunk and printed as reproducers; any makes the session fail.
+    """
+    session.install("-e", ".[test]")
+    session.run("python", "tests/fuzz.py", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark ringeqx against `ringattention` and dense attention.
 

@@ -28,6 +28,32 @@ def _force_host_devices(count: int) -> bool:
     return True
 
 
+def _join_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process run (`jax.distributed.initialize`) when the flags ask to.
+
+    Must run before anything touches devices. Without `--coordinator-address` on CPU,
+    JAX may still detect a cluster itself (SLURM, TPU pods); with neither, nothing
+    happens and the demo runs in this process alone.
+    """
+    if args.coordinator_address is None and args.num_processes is None:
+        return
+    import jax
+
+    if args.device_type in ("auto", "cpu"):
+        # Cross-process collectives between CPU devices go through gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+    args.devices = jax.device_count()  # the ring spans every process's devices
+    _say(
+        f"      process {jax.process_index()} of {jax.process_count()}: "
+        f"{jax.local_device_count()} local / {jax.device_count()} global devices"
+    )
+
+
 def _say(message: str) -> None:
     print(message, flush=True)
 
@@ -150,7 +176,17 @@ def _forward_backward(attention: Callable):
 
 
 def _max_error(a, b) -> float:
+    import jax
     import numpy as np
+    from jax.experimental import multihost_utils
+
+    # In a multi-process run the ring's result spans every process: gather it first.
+    a, b = (
+        multihost_utils.process_allgather(x, tiled=True)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable
+        else x
+        for x in (a, b)
+    )
 
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
@@ -216,8 +252,13 @@ def demo(args: argparse.Namespace) -> int:
     small = min(args.check_len, args.seq_len)
     _step(6, total, f"checking against reference_attention at {small} tokens")
     small_arrays = _qkv(jax.random.key(args.seed + 1), 1, small, *shape[2:])
+    small_global = (
+        tuple(jax.device_put(x, seq_sharding) for x in small_arrays)
+        if small % num_devices == 0
+        else small_arrays
+    )
     with jax.set_mesh(mesh):
-        got_out, got_grads = jax.jit(_forward_backward(ring))(*small_arrays)
+        got_out, got_grads = jax.jit(_forward_backward(ring))(*small_global)
     want_out, want_grads = jax.jit(_forward_backward(dense))(*small_arrays)
     out_error = _max_error(got_out, want_out)
     grad_error = max(_max_error(g, w) for g, w in zip(got_grads, want_grads))
@@ -370,6 +411,21 @@ def _parser() -> argparse.ArgumentParser:
         "--check-len", type=_positive, default=2048, help="tokens for the dense check"
     )
     demo_parser.add_argument("--seed", type=int, default=0)
+    multi = demo_parser.add_argument_group(
+        "multi-process", "join a jax.distributed run (see docs/multi_host.md); the ring "
+        "then spans every process's devices"
+    )
+    multi.add_argument(
+        "--coordinator-address", default=None, metavar="HOST:PORT",
+        help="process 0's address, e.g. 10.0.0.1:1234 (omit where JAX detects the "
+        "cluster: SLURM, TPU pods)",
+    )
+    multi.add_argument("--num-processes", type=_positive, default=None)
+    multi.add_argument("--process-id", type=int, default=None, help="0 .. num-processes - 1")
+    multi.add_argument(
+        "--local-devices", type=_positive, default=None,
+        help="fake CPU devices in this process (default: --devices)",
+    )
     demo_parser.set_defaults(run=demo)
 
     bench_parser = commands.add_parser(
@@ -395,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--heads must be a multiple of --kv-heads; got {args.heads} and "
             f"{args.kv_heads}"
         )
-    # The demo also compiles for twice the devices, to show per-device memory halving.
-    _force_host_devices(2 * args.devices if args.command == "demo" else args.devices)
+    # The demo also compiles for twice the devices, to show per-device memory halving;
+    # in a multi-process run each process has `--local-devices` of its own.
+    local = getattr(args, "local_devices", None)
+    _force_host_devices(local or (2 * args.devices if args.command == "demo" else args.devices))
+    if args.command == "demo":
+        _join_distributed(args)
     return args.run(args)
