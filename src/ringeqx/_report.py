@@ -189,16 +189,23 @@ def _axes_of(attributes: str, mesh) -> tuple[str, ...]:
     if mesh is None:
         return ()
     names, shape = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
-    named = re.search(r"replica_groups=mesh\[[^\]]*\]\s*\{([^}]*)\}", attributes)
-    if named:
-        # `mesh['axis_0'=2,'axis_1'=4,...] {'axis_1'}`: axis k of the mesh.
-        ks = [int(k) for k in re.findall(r"axis_(\d+)", named.group(1))]
-        return tuple(names[k] for k in ks if k < len(names))
     groups: list[list[int]] = []
     pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
     iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
-    if pairs:
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+    if named:
+        # XLA's own factorisation of the devices, `mesh['axis_0'=1,'axis_1'=8] {'axis_1'}`:
+        # each group is the devices that vary along the listed axes (row-major ids).
+        sizes = [int(n) for n in re.findall(r"=(\d+)", named.group(1))]
+        listed = [int(k) for k in re.findall(r"axis_(\d+)", named.group(2))]
+        ids = np.moveaxis(
+            np.arange(math.prod(sizes)).reshape(sizes),
+            listed,
+            list(range(len(sizes) - len(listed), len(sizes))),
+        )
+        groups = ids.reshape(-1, math.prod(sizes[k] for k in listed)).tolist()
+    elif pairs:
         groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
     elif iota:
         dims = [int(d) for d in iota.group(2).split(",")]
