@@ -11,14 +11,10 @@ def _dtype_or_none(d):
     return None if d is None else jnp.dtype(d)
 
 
-def _is_float8(dt) -> bool:
-    return dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize == 1
-
-
 def _needs_scale(dt) -> bool:
     """Narrow exponent ranges (float16, float8) get a per-block power-of-two scale;
     bfloat16 has float32's exponent range and needs none."""
-    return dt is not None and jnp.finfo(dt).max < jnp.finfo(jnp.bfloat16).max / 2
+    return dt is not None and bool(jnp.finfo(dt).max < jnp.finfo(jnp.bfloat16).max / 2)
 
 
 class RingConfig(eqx.Module):
@@ -160,9 +156,7 @@ def _unpack(sent, scale, like, dt):
     return (y.astype(jnp.float32) * scale).astype(like.dtype)
 
 
-def shift_compressed(
-    tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype
-) -> PyTree:
+def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
     """`shift(tree, offset)`, with floating arrays sent in `dtype` (None: as they are)."""
     if dtype is None:
         return shift(tree, axis_name, num_shards, offset)
@@ -184,8 +178,7 @@ class RingPlan:
     an early-stopped one: either way each group of every shard it must meet is met once.
     """
 
-    def __init__(self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps,
-                 capacity):
+    def __init__(self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps, capacity):
         self.config = config
         self.axis_name = axis_name
         self.num_shards = num_shards
@@ -203,8 +196,7 @@ class RingPlan:
         if n == 1:
             return [tree]
         return [
-            jax.tree.map(lambda a, x, i=i: jnp.split(x, n, axis=a)[i], axes, tree)
-            for i in range(n)
+            jax.tree.map(lambda a, x, i=i: jnp.split(x, n, axis=a)[i], axes, tree) for i in range(n)
         ]
 
     @staticmethod
@@ -227,9 +219,7 @@ class RingPlan:
         out = []
         for g, d in zip(groups, self.directions):
             pieces = self._split(g, axes, per_group)
-            moved = [
-                shift_compressed(p, self.axis_name, self.num_shards, d, dtype) for p in pieces
-            ]
+            moved = [shift_compressed(p, self.axis_name, self.num_shards, d, dtype) for p in pieces]
             out.append(self._join(moved, axes))
         return tuple(out)
 

@@ -25,7 +25,7 @@ def dtype_bytes(hlo_type: str) -> float:
     """Bytes per element of an HLO element type (`f32` 4, `bf16` 2, `f8e4m3fn` 1, `pred`
     1, `s4` 0.5): the width is the first number in the name."""
     if hlo_type == "pred":
-        return 1
+        return 1.0
     bits = re.search(r"\d+", hlo_type)
     if bits is None:
         raise ValueError(f"Unknown HLO element type {hlo_type!r}.")
@@ -87,6 +87,8 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
     stack = [(entry, 1, (), None)]
     while stack:
         name, times, trips, loop = stack.pop()
+        if name not in seen:
+            continue
         seen[name].append((times, trips, loop))
         stack += [
             (ref, times * n, trips + (n,), ref) if n > 1 else (ref, times, trips, loop)
@@ -106,9 +108,7 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
             sizes = [dtype_bytes(dt) * math.prod(shape) for dt, shape in arrays]
             nbytes = int(max(sizes) if op.group(2) else sum(sizes)) if sizes else 0
             for times, trips, loop in seen[name]:
-                out.append(
-                    HloCollective(op.group(1), arrays, nbytes, times, trips, loop, rhs, lhs)
-                )
+                out.append(HloCollective(op.group(1), arrays, nbytes, times, trips, loop, rhs, lhs))
     return out
 
 

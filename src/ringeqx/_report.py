@@ -27,8 +27,8 @@ class Hardware(eqx.Module):
     """
 
     name: str = eqx.field(static=True)
-    flops: float = eqx.field(static=True)
-    bandwidth: float = eqx.field(static=True)
+    flops: int | float = eqx.field(static=True)
+    bandwidth: int | float = eqx.field(static=True)
 
 
 # The first five are the Ring Attention paper's Table 2 constants; H100/H200 (SXM,
@@ -67,8 +67,8 @@ class RingCost(eqx.Module):
     heads: int = eqx.field(static=True)
     kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
-    kv_bytes: float = eqx.field(static=True, default=2)
-    grad_bytes: float = eqx.field(static=True, default=4)
+    kv_bytes: int | float = eqx.field(static=True, default=2)
+    grad_bytes: int | float = eqx.field(static=True, default=4)
 
     @property
     def shard(self) -> int:
@@ -77,11 +77,11 @@ class RingCost(eqx.Module):
     def step_bytes(self, backward: bool = False) -> float:
         """Bytes one device sends per ring step (K and V; with dK and dV backward)."""
         kv = 2 * self.shard * self.kv_heads * self.head_dim
-        return kv * (self.kv_bytes + (self.grad_bytes if backward else 0))
+        return float(kv * (self.kv_bytes + (self.grad_bytes if backward else 0)))
 
     def step_flops(self, backward: bool = False) -> float:
         """FLOPs one device computes per ring step (no block skipped)."""
-        return (10 if backward else 4) * self.shard**2 * self.head_dim * self.heads
+        return float((10 if backward else 4) * self.shard**2 * self.head_dim * self.heads)
 
     def intensity(self, backward: bool = False) -> float:
         """FLOPs per byte sent: compare with a chip's FLOP/s per byte/s."""
@@ -145,9 +145,7 @@ class CommReport(eqx.Module):
         return sum(r.bytes for r in self._pick(kind, dtype))
 
     def _pick(self, kind, dtype):
-        return [
-            r for r in self.rows if kind in (None, r.kind) and dtype in (None, r.dtype)
-        ]
+        return [r for r in self.rows if kind in (None, r.kind) and dtype in (None, r.dtype)]
 
     def __str__(self) -> str:
         lines = [
