@@ -7,7 +7,7 @@ in bfloat16, each against the same ring sending float32 (which equals dense atte
 1e-5, tests/test_comm.py). Prints a markdown table of max |error| / max |reference| per
 array, and the mean |error| / mean |reference|.
 
-Run: `python benchmarks/compression.py` (`--help` for options).
+Run: `python benchmarks/wire_compression.py` (`--help` for options).
 """
 
 import argparse
