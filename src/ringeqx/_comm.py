@@ -156,7 +156,13 @@ def _unpack(sent, scale, like, dt):
     return (y.astype(jnp.float32) * scale).astype(like.dtype)
 
 
-def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
+def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, config: RingConfig) -> PyTree:
+    """`shift(tree, +1)`, with floating arrays sent in `config.compression_dtype` (kept
+    with its old signature for callers outside the ring's step code)."""
+    return shift_as(tree, axis_name, num_shards, 1, config.compression_dtype)
+
+
+def shift_as(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
     """`shift(tree, offset)`, with floating arrays sent in `dtype` (None: as they are)."""
     if dtype is None:
         return shift(tree, axis_name, num_shards, offset)
@@ -219,7 +225,7 @@ class RingPlan:
         out = []
         for g, d in zip(groups, self.directions):
             pieces = self._split(g, axes, per_group)
-            moved = [shift_compressed(p, self.axis_name, self.num_shards, d, dtype) for p in pieces]
+            moved = [shift_as(p, self.axis_name, self.num_shards, d, dtype) for p in pieces]
             out.append(self._join(moved, axes))
         return tuple(out)
 
