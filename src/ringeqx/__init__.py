@@ -30,6 +30,15 @@ from ._masks import (
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention
+from ._report import (
+    HARDWARE as HARDWARE,
+    CollectiveRow as CollectiveRow,
+    CommReport as CommReport,
+    Hardware as Hardware,
+    RingCost as RingCost,
+    comm_report as comm_report,
+    table2 as table2,
+)
 from ._ring import ring_attention as ring_attention
 from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (

@@ -1,4 +1,4 @@
-"""The `ringeqx` command line: `ringeqx demo` and `ringeqx bench`.
+"""The `ringeqx` command line: `ringeqx demo`, `ringeqx bench` and `ringeqx report`.
 
 JAX reads `XLA_FLAGS` once, when its backends start, so this module sets the fake CPU
 device count first and imports JAX (and ringeqx, which imports JAX) only inside the
@@ -366,6 +366,53 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def report(args: argparse.Namespace) -> int:
+    """`ringeqx report`: what one ring attention call sends, from its compiled HLO."""
+    import jax
+    import jax.numpy as jnp
+
+    import ringeqx as rx
+
+    mesh = _ring_mesh(args.devices, _platform(args.device_type))
+    p = mesh.shape["sequence"]
+    dtype = jnp.dtype(args.dtype)
+    config = rx.RingConfig(
+        compression_dtype=args.compression,
+        grad_compression_dtype=args.grad_compression,
+        communication_parallelism=args.parallelism,
+        ring_buffer_size=args.ring_buffer_size,
+        bidirectional=args.bidirectional,
+    )
+    mask = rx.Causal() if args.mask == "causal" else rx.Full()
+    q = jax.ShapeDtypeStruct((args.seq_len, args.heads, args.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((args.seq_len, args.kv_heads, args.head_dim), dtype)
+
+    def attention(q, k, v):
+        return rx.ring_attention(q, k, v, mask=mask, mesh=mesh, config=config)
+
+    def forward_backward(q, k, v):
+        out, vjp = jax.vjp(attention, q, k, v)
+        return vjp(out)
+
+    sent = config.compression_dtype or dtype
+    cost = rx.RingCost(
+        args.seq_len,
+        p,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        jnp.dtype(sent).itemsize,
+        jnp.dtype(config.grad_compression_dtype).itemsize,
+    )
+    fn = attention if args.forward_only else forward_backward
+    _say(
+        f"ring attention {'forward' if args.forward_only else 'forward + backward'}, "
+        f"{args.mask} mask, seq {args.seq_len} on {p} devices, {config}"
+    )
+    _say(str(rx.comm_report(jax.jit(fn), q, kv, kv, mesh=mesh, cost=cost)))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -440,6 +487,30 @@ def _parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--block-q", type=_positive, default=None)
     bench_parser.add_argument("--block-kv", type=_positive, default=None)
     bench_parser.set_defaults(run=bench)
+
+    report_parser = commands.add_parser(
+        "report",
+        help="what ring attention communicates: collectives from the compiled HLO, the "
+        "analytic model and hardware profiles",
+        description="Compile one ring attention call (no arrays are allocated) and list "
+        "its collectives (count per call, dtype, bytes per device, mesh axis), the "
+        "ring's bytes and FLOPs per step, and per hardware profile whether the transfer "
+        "hides behind compute and the smallest shard that hides it.",
+    )
+    common(report_parser, seq_len=8192, heads=8, kv_heads=2)
+    report_parser.add_argument("--mask", choices=("causal", "full"), default="causal")
+    report_parser.add_argument("--dtype", default="bfloat16", help="q/k/v dtype")
+    report_parser.add_argument("--compression", default=None, help="K/V wire dtype")
+    report_parser.add_argument(
+        "--grad-compression", default="float32", help="dK/dV wire dtype"
+    )
+    report_parser.add_argument("--parallelism", type=_positive, default=1)
+    report_parser.add_argument("--ring-buffer-size", type=_positive, default=None)
+    report_parser.add_argument("--bidirectional", action="store_true")
+    report_parser.add_argument(
+        "--forward-only", action="store_true", help="the forward pass only"
+    )
+    report_parser.set_defaults(run=report)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Ring communication: configuration and the ppermute helpers."""
+"""Ring communication: configuration, and how K/V pieces and dK/dV travel round the ring."""
 
 import equinox as eqx
 import jax
@@ -7,27 +7,113 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 
+def _dtype_or_none(d):
+    return None if d is None else jnp.dtype(d)
+
+
+def _needs_scale(dt) -> bool:
+    """Narrow exponent ranges (float16, float8) get a per-block power-of-two scale;
+    bfloat16 has float32's exponent range and needs none."""
+    return dt is not None and bool(jnp.finfo(dt).max < jnp.finfo(jnp.bfloat16).max / 2)
+
+
 class RingConfig(eqx.Module):
-    """How the ring communicates.
+    """How the ring communicates. Every setting gives the exact answer up to the rounding
+    of the compressed dtypes; without compression, exactly the default ring's answer.
 
     **Arguments:**
 
-    - `compression_dtype`: if set (e.g. `jnp.bfloat16`), K/V travel between devices in this
-        dtype and are cast back to their own dtype on arrival; the device's own block is
-        used exactly. The gradient accumulators dK/dV always travel in float32. None (the
+    - `compression_dtype`: if set (`jnp.bfloat16`, `jnp.float16`, `jnp.float8_e4m3fn`,
+        `jnp.float8_e5m2`), K/V travel between devices in this dtype and are cast back to
+        their own dtype on arrival; the device's own block is used exactly. float16 and
+        float8 carry a power-of-two scale per (batch, kv head) block, so that finite values
+        never overflow to inf/NaN (and small ones lose less to underflow). None (the
         default) sends K/V as they are.
+    - `grad_compression_dtype`: the dtype the backward ring's dK/dV accumulators travel in
+        (`float32`, the default, is exact; `bfloat16`, `float16` and the float8 types are
+        scaled as above). The final hop home is always float32.
+    - `communication_parallelism`: `n`: each step's K/V transfer (and dK/dV's) goes as `n`
+        separate collective-permutes, split over the shard's tokens, so that a scheduler
+        can overlap one piece's transfer with other work. Compute is not split per piece:
+        pieces that travel the same way come from one shard and are joined before the
+        kernel runs. Must divide the tokens per shard.
+    - `ring_buffer_size`: the same split given as tokens per transfer (`n = capacity /
+        ring_buffer_size`). When both are given, `ring_buffer_size` wins.
+    - `bidirectional`: half of the pieces (at least one each way) travel `+1` round the
+        ring and half `-1`, using both directions of the links; each device runs the kernel
+        once per direction per step, on the half-shard that came each way. The number of
+        pieces must then be 1 (it becomes 2) or even.
+
+    The checks that need the shard size (divisibility) run at trace time.
     """
 
     compression_dtype: DTypeLike | None = eqx.field(
-        static=True, default=None, converter=lambda d: None if d is None else jnp.dtype(d)
+        static=True, default=None, converter=_dtype_or_none
     )
+    grad_compression_dtype: DTypeLike = eqx.field(
+        static=True,
+        default=jnp.float32,
+        converter=lambda d: jnp.dtype(jnp.float32 if d is None else d),
+    )
+    communication_parallelism: int = eqx.field(static=True, default=1)
+    ring_buffer_size: int | None = eqx.field(static=True, default=None)
+    bidirectional: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
-        dt = self.compression_dtype
-        if dt is not None and not jnp.issubdtype(dt, jnp.floating):
+        for name in ("compression_dtype", "grad_compression_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(
+                    f"RingConfig `{name}` must be a floating dtype"
+                    f"{' or None' if name == 'compression_dtype' else ''}; got {dt!r}."
+                )
+        n = self.communication_parallelism
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
-                f"RingConfig `compression_dtype` must be a floating dtype or None; got {dt!r}."
+                f"RingConfig `communication_parallelism` must be a positive int; got {n!r}."
             )
+        t = self.ring_buffer_size
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(
+                f"RingConfig `ring_buffer_size` must be a positive int or None; got {t!r}."
+            )
+
+    def num_pieces(self, capacity: int) -> int:
+        """How many pieces each shard's transfer is split into, for shards of `capacity`
+        tokens. Raises (at trace time) on values that do not divide."""
+        divisors = [d for d in range(1, capacity + 1) if capacity % d == 0]
+        if self.ring_buffer_size is not None:
+            t = self.ring_buffer_size
+            if capacity % t != 0:
+                raise ValueError(
+                    f"RingConfig `ring_buffer_size` must divide the {capacity} tokens per "
+                    f"shard; got {t}. Expected one of {divisors}."
+                )
+            n, name, got = capacity // t, "ring_buffer_size", t
+        else:
+            n = self.communication_parallelism
+            if capacity % n != 0:
+                raise ValueError(
+                    f"RingConfig `communication_parallelism` must divide the {capacity} "
+                    f"tokens per shard; got {n}. Expected one of {divisors}."
+                )
+            name, got = "communication_parallelism", n
+        if self.bidirectional:
+            if n == 1:
+                if capacity % 2 != 0:
+                    raise ValueError(
+                        "RingConfig `bidirectional=True` sends half of each shard each "
+                        f"way, so the {capacity} tokens per shard must be even."
+                    )
+                n = 2
+            elif n % 2 != 0:
+                even = [d for d in divisors if d % 2 == 0]
+                raise ValueError(
+                    f"RingConfig `bidirectional=True` sends half of the pieces each way, "
+                    f"so `{name}` must give an even number of pieces; got {name}={got} "
+                    f"({n} pieces). Expected a number of pieces in {even}."
+                )
+        return n
 
 
 def shift(tree: PyTree, axis_name: str, num_shards: int, offset: int) -> PyTree:
@@ -39,27 +125,115 @@ def shift(tree: PyTree, axis_name: str, num_shards: int, offset: int) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
-def shift_compressed(
-    tree: PyTree, axis_name: str, num_shards: int, config: RingConfig
-) -> PyTree:
-    """`shift(tree, +1)`, with floating arrays sent in `config.compression_dtype`."""
-    dt = config.compression_dtype
-    if dt is None:
-        return shift(tree, axis_name, num_shards, 1)
-
+def _pack(x, dt):
+    """`x` -> what travels: raw bits of `x` in `dt` (and a float32 scale per block, the
+    leading two axes, for float16/float8). Sent as bits: otherwise XLA may move the
+    narrowing convert past the transfer (it does on CPU) and send the wide dtype after all."""
+    if dt is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dt:
+        return x, None
     bits = jnp.dtype(f"uint{8 * jnp.dtype(dt).itemsize}")
+    if not _needs_scale(dt):
+        return jax.lax.bitcast_convert_type(x.astype(dt), bits), None
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(2, x.ndim))
+    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    fmax = float(jnp.finfo(dt).max)
+    # A power of two, so that scaling is exact and only the cast rounds; the largest
+    # value lands in (fmax / 2, fmax], never past it (float8_e4m3fn has no inf: past its
+    # max a cast gives NaN).
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, fmax) / fmax)))
+    scale = jnp.where(amax / scale > fmax, scale * 2, scale)
+    y = (xf / scale).astype(dt)
+    return jax.lax.bitcast_convert_type(y, bits), scale
 
-    # Sent as raw bits: otherwise XLA may move the narrowing convert past the transfer
-    # (it does on CPU) and send the wide dtype after all.
-    def pack(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jax.lax.bitcast_convert_type(x.astype(dt), bits)
 
-    def unpack(new, old):
-        if not jnp.issubdtype(old.dtype, jnp.floating):
-            return new
-        return jax.lax.bitcast_convert_type(new, dt).astype(old.dtype)
+def _unpack(sent, scale, like, dt):
+    if dt is None or not jnp.issubdtype(like.dtype, jnp.floating) or like.dtype == dt:
+        return sent
+    y = jax.lax.bitcast_convert_type(sent, dt)
+    if scale is None:
+        return y.astype(like.dtype)
+    return (y.astype(jnp.float32) * scale).astype(like.dtype)
 
-    sent = shift(jax.tree.map(pack, tree), axis_name, num_shards, 1)
-    return jax.tree.map(unpack, sent, tree)
+
+def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, config: RingConfig) -> PyTree:
+    """`shift(tree, +1)`, with floating arrays sent in `config.compression_dtype` (kept
+    with its old signature for callers outside the ring's step code)."""
+    return shift_as(tree, axis_name, num_shards, 1, config.compression_dtype)
+
+
+def shift_as(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
+    """`shift(tree, offset)`, with floating arrays sent in `dtype` (None: as they are)."""
+    if dtype is None:
+        return shift(tree, axis_name, num_shards, offset)
+    leaves, treedef = jax.tree.flatten(tree)
+    packed = [_pack(x, dtype) for x in leaves]
+    sent = shift(packed, axis_name, num_shards, offset)
+    out = [_unpack(y, s, x, dtype) for (y, s), x in zip(sent, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+class RingPlan:
+    """How one ring call moves its blocks: static, built at trace time.
+
+    The shard (a pytree whose arrays have a token axis, given by `axes`) is cut along its
+    tokens into `num_pieces` pieces, grouped by direction: group 0 travels `+1` (device `i`
+    receives from `i - 1`), group 1 (bidirectional only) travels `-1`. At step `s` (of
+    `num_steps`) device `i` holds group 0 of shard `i + num_ahead - s` and group 1 of
+    shard `i + b + s`, with `b = 0` for the full ring and `num_ahead - num_steps + 1` for
+    an early-stopped one: either way each group of every shard it must meet is met once.
+    """
+
+    def __init__(self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps, capacity):
+        self.config = config
+        self.axis_name = axis_name
+        self.num_shards = num_shards
+        self.num_pieces = config.num_pieces(capacity)
+        self.directions = (1, -1) if config.bidirectional else (1,)
+        full = num_steps >= num_shards
+        # Shard offset (relative to the device) held at step 0, per group.
+        self.starts = tuple(
+            num_ahead if d == 1 else (0 if full else num_ahead - num_steps + 1)
+            for d in self.directions
+        )
+        self.num_steps = num_steps
+
+    def _split(self, tree, axes, n):
+        if n == 1:
+            return [tree]
+        return [
+            jax.tree.map(lambda a, x, i=i: jnp.split(x, n, axis=a)[i], axes, tree) for i in range(n)
+        ]
+
+    @staticmethod
+    def _join(pieces, axes):
+        if len(pieces) == 1:
+            return pieces[0]
+        return jax.tree.map(lambda a, *ps: jnp.concatenate(ps, axis=a), axes, *pieces)
+
+    def start(self, tree, axes) -> tuple:
+        """The device's own shard -> the groups it holds at step 0."""
+        groups = self._split(tree, axes, len(self.directions))
+        return tuple(
+            shift(g, self.axis_name, self.num_shards, -o) for g, o in zip(groups, self.starts)
+        )
+
+    def step(self, groups: tuple, axes, dtype) -> tuple:
+        """One hop of every group in its direction, `num_pieces` permutes in all per
+        array, floating arrays sent in `dtype`."""
+        per_group = self.num_pieces // len(self.directions)
+        out = []
+        for g, d in zip(groups, self.directions):
+            pieces = self._split(g, axes, per_group)
+            moved = [shift_as(p, self.axis_name, self.num_shards, d, dtype) for p in pieces]
+            out.append(self._join(moved, axes))
+        return tuple(out)
+
+    def home(self, groups: tuple, axes):
+        """After the last step, send each group to the device that owns it (float32, one
+        permute per group and array) and join the groups."""
+        back = [
+            shift(g, self.axis_name, self.num_shards, o - d * (self.num_steps - 1))
+            for g, o, d in zip(groups, self.starts, self.directions)
+        ]
+        return self._join(back, axes)

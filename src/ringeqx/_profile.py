@@ -1,21 +1,62 @@
-"""What a compiled program communicates, read from its HLO text."""
+"""What a compiled program communicates, read from its HLO text: one parser, used by
+`permute_stats` and `comm_report`."""
 
 import math
 import re
+from typing import NamedTuple
 
 
-_BYTES = {
-    "f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4,
-    "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "pred": 1, "s8": 1, "u8": 1,
-}
+COLLECTIVES = (
+    "collective-permute",
+    "all-to-all",
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+)
+
+_KIND = re.compile(
+    r"\s(collective-permute|all-to-all|all-gather|all-reduce|reduce-scatter)(-start)?\("
+)
+# Every HLO array type: f32, bf16, s16, u64, pred, f8e4m3fn, f8e5m2, c64, ...
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+)?[a-z]*)\[([\d,]*)\]")
 
 
-def permute_stats(hlo: str, shape: str = "") -> tuple[int, int, list[int]]:
-    """`(ops, bytes, trips)` of the collective-permutes a compiled program executes: each
-    op counted once per iteration of the while loops around it (XLA removes loops of one
-    trip, so counting ops is what survives); `trips` are the trip counts of the loops that
-    hold permutes. Bytes are per device. With `shape` (e.g. `"f32[1,2,2048,64]"`), only
-    permutes of arrays of that shape count."""
+def dtype_bytes(hlo_type: str) -> float:
+    """Bytes per element of an HLO element type (`f32` 4, `bf16` 2, `f8e4m3fn` 1, `pred`
+    1, `s4` 0.5): the width is the first number in the name."""
+    if hlo_type == "pred":
+        return 1.0
+    bits = re.search(r"\d+", hlo_type)
+    if bits is None:
+        raise ValueError(f"Unknown HLO element type {hlo_type!r}.")
+    return int(bits.group()) / 8
+
+
+class HloCollective(NamedTuple):
+    """One collective op of a compiled program."""
+
+    kind: str
+    # The arrays it moves, e.g. `(("f32", (1, 2, 8, 5)),)`.
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]
+    # Bytes per device of one execution: the result (for async `-start` ops, the largest
+    # array of the tuple, which is the result).
+    nbytes: int
+    # Executions per call: the product of the trip counts of the loops around it.
+    count: int
+    # The trip counts of those loops, outermost first.
+    trips: tuple[int, ...]
+    # The innermost loop body around it (None outside loops).
+    loop: str | None
+    # The text after the op's name: replica_groups / source_target_pairs live there.
+    attributes: str
+    # The left-hand side, for filtering by shape.
+    lhs: str
+
+
+def parse_collectives(hlo: str) -> list[HloCollective]:
+    """Every collective op of a compiled program's HLO text, each with how many times it
+    runs per call: XLA removes loops of one trip, so ops in a while body count once per
+    iteration of every loop around them (`known_trip_count` in the backend config)."""
     comps: dict[str, list[str]] = {}
     entry, cur = None, None
     for line in hlo.splitlines():
@@ -41,32 +82,53 @@ def permute_stats(hlo: str, shape: str = "") -> tuple[int, int, list[int]]:
             for ref in refs:
                 n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
                 calls[name].append((ref, n))
-    mult = {name: 0 for name in comps}
-    stack = [(entry, 1)]
+    # (times, trips) per computation, walking from the entry.
+    seen: dict[str, list] = {name: [] for name in comps}
+    stack = [(entry, 1, (), None)]
     while stack:
-        name, times = stack.pop()
-        mult[name] += times
-        stack += [(ref, times * n) for ref, n in calls.get(name, [])]
-    ops, nbytes, trips = 0, 0, []
+        name, times, trips, loop = stack.pop()
+        if name not in seen:
+            continue
+        seen[name].append((times, trips, loop))
+        stack += [
+            (ref, times * n, trips + (n,), ref) if n > 1 else (ref, times, trips, loop)
+            for ref, n in calls.get(name, [])
+        ]
+    out = []
     for name, lines in comps.items():
         for line in lines:
-            if re.search(r"\scollective-permute(-start)?\(", line):
-                lhs = line.split("collective-permute")[0]
-                if shape not in lhs:
-                    continue
-                size = sum(
-                    _BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                    for dt, dims in re.findall(
-                        r"\b(f32|s32|u32|bf16|f16|pred|s8|u8)\[([\d,]*)\]", lhs
-                    )
-                )
-                ops += mult[name]
-                nbytes += mult[name] * size
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            if body and trip and any("collective-permute" in x for x in comps[body.group(1)]):
-                trips.append(int(trip.group(1)))
-    return ops, nbytes, trips
+            op = _KIND.search(line)
+            if op is None:
+                continue
+            lhs, rhs = line[: op.start()], line[op.end() :]
+            arrays = tuple(
+                (dt, tuple(int(d) for d in dims.split(",") if d))
+                for dt, dims in _ARRAY.findall(lhs)
+            )
+            sizes = [dtype_bytes(dt) * math.prod(shape) for dt, shape in arrays]
+            nbytes = int(max(sizes) if op.group(2) else sum(sizes)) if sizes else 0
+            for times, trips, loop in seen[name]:
+                out.append(HloCollective(op.group(1), arrays, nbytes, times, trips, loop, rhs, lhs))
+    return out
+
+
+def permute_stats(hlo: str, shape: str = "") -> tuple[int, int, list[int]]:
+    """`(ops, bytes, trips)` of the collective-permutes a compiled program executes: each
+    op counted once per iteration of the while loops around it (XLA removes loops of one
+    trip, so counting ops is what survives); `trips` are the trip counts of the loops that
+    hold permutes. Bytes are per device, for every element type (`f32`, `bf16`, `s16`,
+    `u64`, `f8e4m3fn`, ...). With `shape` (e.g. `"f32[1,2,2048,64]"`), only permutes of
+    arrays of that shape count."""
+    ops, nbytes, loops = 0, 0, {}
+    for c in parse_collectives(hlo):
+        if c.kind != "collective-permute":
+            continue
+        if c.loop is not None:
+            loops[c.loop] = c.trips[-1]
+        if shape in c.lhs:
+            ops += c.count
+            nbytes += c.count * c.nbytes
+    return ops, nbytes, list(loops.values())
 
 
 _COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from ._comm import RingConfig, shift, shift_compressed
+from ._comm import RingConfig, RingPlan
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
@@ -47,6 +47,17 @@ class _Static:
         self.num_ahead = num_ahead
         self._key = (kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
 
+    def plan(self, capacity: int) -> RingPlan:
+        """How K/V travel, for shards of `capacity` tokens (known at trace time)."""
+        return RingPlan(
+            self.config,
+            self.axis_name,
+            self.num_shards,
+            self.num_ahead,
+            self.num_steps,
+            capacity,
+        )
+
     def __hash__(self):
         return hash(self._key)
 
@@ -54,9 +65,18 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key
 
 
+def _kv_axes(kv_info):
+    """Token axes of `(k, v, kv_info)`: heads-major K/V `[b, h, tokens, d]`, records
+    `[b, tokens]`."""
+    return (2, 2, jax.tree.map(lambda _: 1, kv_info))
+
+
 def _ring_forward(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
-    """Per-device forward: `num_steps` ring steps, K/V (and their records) moving +1."""
+    """Per-device forward: `num_steps` ring steps; K/V (and their records) travel as the
+    plan says (by default one piece, +1 per step)."""
     kernel = st.kernel
+    plan = st.plan(k.shape[2])
+    axes = _kv_axes(kv_info)
 
     def compute(kv):
         k, v, kv_info = kv
@@ -70,18 +90,23 @@ def _ring_forward(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
 
         return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
 
+    def compute_all(groups, o, lse):
+        for kv in groups:
+            o, lse = _merge(o, lse, *compute(kv))
+        return o, lse
+
     def step(carry, _):
-        kv, o, lse = carry
+        groups, o, lse = carry
         # Send first so that the transfer can overlap the compute of this step.
-        nxt = shift_compressed(kv, st.axis_name, st.num_shards, st.config)
-        o, lse = _merge(o, lse, *compute(kv))
+        nxt = plan.step(groups, axes, st.config.compression_dtype)
+        o, lse = compute_all(groups, o, lse)
         return (nxt, o, lse), None
 
     zero = jnp.zeros_like(q, jnp.float32)
-    kv = shift((k, v, kv_info), st.axis_name, st.num_shards, -st.num_ahead)
-    init = (kv, zero, zero[..., 0] - jnp.inf)
-    (kv, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
-    return _merge(o, lse, *compute(kv))
+    groups = plan.start((k, v, kv_info), axes)
+    init = (groups, zero, zero[..., 0] - jnp.inf)
+    (groups, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
+    return compute_all(groups, o, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -98,6 +123,9 @@ def _ring_bwd(st: _Static, res, cts):
     q, k, v, q_info, kv_info, mask, score_mod, out, lse = res
     d_out, d_lse = cts
     kernel = st.kernel
+    plan = st.plan(k.shape[2])
+    axes = _kv_axes(kv_info)
+    acc_axes = (2, 2)
     d_out = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out * out, axis=-1) - d_lse
     d_out = d_out.astype(q.dtype)
@@ -117,31 +145,34 @@ def _ring_bwd(st: _Static, res, cts):
 
         return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
 
-    def step(carry, _):
-        (k, v, kv_info), (dk, dv), dq = carry
-        dq_s, dk_s, dv_s = compute(k, v, kv_info)
-        # dK/dV travel with their K/V block, in float32, and reach home after the ring.
-        kv = shift_compressed((k, v, kv_info), st.axis_name, st.num_shards, st.config)
-        acc = shift((dk + dk_s, dv + dv_s), st.axis_name, st.num_shards, 1)
-        return (kv, acc, dq + dq_s), None
+    def compute_all(groups, accs, dq):
+        new = []
+        for kv, (dk, dv) in zip(groups, accs):
+            dq_s, dk_s, dv_s = compute(*kv)
+            new.append((dk + dk_s, dv + dv_s))
+            dq = dq + dq_s
+        return tuple(new), dq
 
-    zero_kv = jnp.zeros_like(k, jnp.float32)
-    kv = shift((k, v, kv_info), st.axis_name, st.num_shards, -st.num_ahead)
-    init = (kv, (zero_kv, zero_kv), jnp.zeros_like(q, jnp.float32))
-    ((k_last, v_last, info_last), (dk, dv), dq), _ = jax.lax.scan(
-        step, init, None, length=st.num_steps - 1
+    def step(carry, _):
+        groups, accs, dq = carry
+        accs, dq = compute_all(groups, accs, dq)
+        # dK/dV travel with their K/V pieces (in `grad_compression_dtype`, float32 by
+        # default) and reach home after the ring.
+        groups = plan.step(groups, axes, st.config.compression_dtype)
+        grad_dt = st.config.grad_compression_dtype
+        accs = plan.step(accs, acc_axes, None if grad_dt == jnp.float32 else grad_dt)
+        return (groups, accs, dq), None
+
+    groups = plan.start((k, v, kv_info), axes)
+    accs = tuple(
+        (jnp.zeros_like(g[0], jnp.float32), jnp.zeros_like(g[1], jnp.float32)) for g in groups
     )
-    dq_s, dk_s, dv_s = compute(k_last, v_last, info_last)
-    # The accumulators started num_ahead devices upstream of their owner and made
-    # num_steps - 1 hops downstream.
-    dk, dv = shift(
-        (dk + dk_s, dv + dv_s),
-        st.axis_name,
-        st.num_shards,
-        st.num_ahead + 1 - st.num_steps,
-    )
+    init = (groups, accs, jnp.zeros_like(q, jnp.float32))
+    (groups, accs, dq), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
+    accs, dq = compute_all(groups, accs, dq)
+    dk, dv = plan.home(accs, acc_axes)
     return (
-        (dq + dq_s).astype(q.dtype),
+        dq.astype(q.dtype),
         dk.astype(k.dtype),
         dv.astype(v.dtype),
         None,
