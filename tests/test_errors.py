@@ -123,7 +123,7 @@ def test_kernel_and_config_errors():
 
 def test_layout_shard_errors():
     layout = rx.Uniform().layout(8, 2)
-    with pytest.raises((ValueError, TypeError), match="seq_len=8|parameter 'x'"):
+    with pytest.raises((ValueError, TypeError), match="an axis of length 8"):
         layout.shard(jnp.zeros((7, 3)))
-    with pytest.raises((ValueError, TypeError), match="num_shards \\* capacity=8|parameter 'y'"):
+    with pytest.raises((ValueError, TypeError), match="an axis of length 8"):
         layout.unshard(jnp.zeros((9, 3)))
