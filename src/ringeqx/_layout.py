@@ -191,6 +191,18 @@ def _check_ids(name: str, ids, seq_len: int) -> Array:
     return ids.astype(jnp.int32)
 
 
+def _check_all_ids(segment_ids, span_ids, seq_len: int):
+    """Checked segment and span ids (or None) and the batch shape they broadcast to."""
+    batch = ()
+    if segment_ids is not None:
+        segment_ids = _check_ids("segment_ids", segment_ids, seq_len)
+        batch = segment_ids.shape[:-1]
+    if span_ids is not None:
+        span_ids = _check_ids("span_ids", span_ids, seq_len)
+        batch = jnp.broadcast_shapes(batch, span_ids.shape[:-1])
+    return segment_ids, span_ids, batch
+
+
 def layout_from_order(
     order: Int[Array, "*#batch shards capacity"],
     seq_len: int,
@@ -214,13 +226,7 @@ def layout_from_order(
     order = jnp.asarray(order, jnp.int32)
     valid = order >= 0
     pos = jnp.where(valid, order, 0)
-    batch = ()
-    if segment_ids is not None:
-        segment_ids = _check_ids("segment_ids", segment_ids, seq_len)
-        batch = segment_ids.shape[:-1]
-    if span_ids is not None:
-        span_ids = _check_ids("span_ids", span_ids, seq_len)
-        batch = jnp.broadcast_shapes(batch, span_ids.shape[:-1])
+    segment_ids, span_ids, batch = _check_all_ids(segment_ids, span_ids, seq_len)
     batch = jnp.broadcast_shapes(batch, order.shape[:-2])
     shape = batch + order.shape[-2:]
 
@@ -273,13 +279,7 @@ def contiguous_layout(
         raise ValueError(f"`seq_len` must be an integer >= 1; got {seq_len!r}.")
     capacity = math.ceil(seq_len / num_shards)
     total = num_shards * capacity
-    batch = ()
-    if segment_ids is not None:
-        segment_ids = _check_ids("segment_ids", segment_ids, seq_len)
-        batch = segment_ids.shape[:-1]
-    if span_ids is not None:
-        span_ids = _check_ids("span_ids", span_ids, seq_len)
-        batch = jnp.broadcast_shapes(batch, span_ids.shape[:-1])
+    segment_ids, span_ids, batch = _check_all_ids(segment_ids, span_ids, seq_len)
     shape = batch + (num_shards, capacity)
 
     def slots(ids):
