@@ -26,9 +26,7 @@ runs, no timing) and prints their per-device temp memory and its ratio.
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -84,6 +82,7 @@ jax.lib.xla_bridge = jax._src.xla_bridge  # type: ignore[attr-defined]
 import ringattention  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
+from ringeqx._timing import median_seconds  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -165,16 +164,6 @@ def compile_(fn, *args, mesh=None):
         return jax.jit(fn).lower(*args).compile()
 
 
-def median_time(compiled, *args, reps: int) -> float:
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def temp_mib(compiled) -> float:
     stats = compiled.memory_analysis()
     return float("nan") if stats is None else stats.temp_size_in_bytes / 2**20
@@ -196,7 +185,7 @@ def matmul_rate(reps: int) -> float:
         for k in jax.random.split(jax.random.key(7))
     )
     compiled = jax.jit(jnp.matmul).lower(a, b).compile()
-    return 2 * n**3 / median_time(compiled, a, b, reps=reps)
+    return 2 * n**3 / median_seconds(compiled, a, b, repeats=reps)
 
 
 # --------------------------------------------------------------------------- parts
@@ -315,8 +304,8 @@ def main(args) -> int:
             fwd = compile_(fn, q, k, v, mesh=mesh)
             both = compile_(forward_backward(fn), q, k, v, d_out, mesh=mesh)
             rows[name, mask] = dict(
-                fwd=median_time(fwd, q, k, v, reps=reps),
-                both=median_time(both, q, k, v, d_out, reps=reps),
+                fwd=median_seconds(fwd, q, k, v, repeats=reps),
+                both=median_seconds(both, q, k, v, d_out, repeats=reps),
                 temp=temp_mib(both),
             )
             del fwd, both
@@ -327,8 +316,8 @@ def main(args) -> int:
             fwd = compile_(dense_fn(causal), dq, dk, dv)
             both = compile_(forward_backward(dense_fn(causal)), dq, dk, dv, ddo)
             rows["dense (1 device)", mask] = dict(
-                fwd=median_time(fwd, dq, dk, dv, reps=reps),
-                both=median_time(both, dq, dk, dv, ddo, reps=reps),
+                fwd=median_seconds(fwd, dq, dk, dv, repeats=reps),
+                both=median_seconds(both, dq, dk, dv, ddo, repeats=reps),
                 temp=temp_mib(both),
             )
             del fwd, both, dq, dk, dv, ddo

@@ -6,23 +6,12 @@ work) against a 4096 x 4096 float32 matmul, and forward+backward times of both a
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import ringeqx as rx
-
-
-def _time(f, *args, reps):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from ringeqx._timing import median_seconds
 
 
 def main():
@@ -51,11 +40,11 @@ def main():
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))
 
     a = jnp.ones((4096, 4096), jnp.float32)
-    t_mm = _time(jax.jit(lambda a: a @ a), a, reps=args.reps)
+    t_mm = median_seconds(jax.jit(lambda a: a @ a), a, repeats=args.reps)
     mm_rate = 2 * 4096**3 / t_mm
-    t_fwd = _time(jax.jit(ours), q, k, v, reps=args.reps)
-    t_ours = _time(fwd_bwd(ours), q, k, v, reps=args.reps)
-    t_theirs = _time(fwd_bwd(theirs), q, k, v, reps=args.reps)
+    t_fwd = median_seconds(jax.jit(ours), q, k, v, repeats=args.reps)
+    t_ours = median_seconds(fwd_bwd(ours), q, k, v, repeats=args.reps)
+    t_theirs = median_seconds(fwd_bwd(theirs), q, k, v, repeats=args.reps)
     rate = 4 * n * n * h * d / t_fwd
     print(f"## XlaKernel {kernel.block_q}x{kernel.block_kv} on one device: N={n}, {h} heads, "
           f"head_dim {d}, float32, median of {args.reps}\n")

@@ -7,7 +7,6 @@ functions that run a command.
 
 import argparse
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -288,17 +287,6 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _median_time(fn: Callable, *args, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 def bench(args: argparse.Namespace) -> int:
     """Time ringeqx alone at one size (`benchmarks/ring_vs_dense.py` compares)."""
@@ -306,6 +294,7 @@ def bench(args: argparse.Namespace) -> int:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import ringeqx
+    from ringeqx._timing import median_seconds
 
     platform = _platform(args.device_type)
     mesh = _ring_mesh(args.devices, platform)
@@ -350,8 +339,8 @@ def bench(args: argparse.Namespace) -> int:
         with jax.set_mesh(mesh):
             fwd = jax.jit(ring).lower(q, k, v).compile()
             both = jax.jit(_forward_backward(ring)).lower(q, k, v, d_out).compile()
-            fwd_s = _median_time(fwd, q, k, v, reps=args.reps)
-            both_s = _median_time(both, q, k, v, d_out, reps=args.reps)
+            fwd_s = median_seconds(fwd, q, k, v, repeats=args.reps)
+            both_s = median_seconds(both, q, k, v, d_out, repeats=args.reps)
         temp = _temp_bytes(both)
         temp_text = "n/a" if temp is None else _mib(temp)
         _say(

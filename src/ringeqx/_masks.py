@@ -113,6 +113,18 @@ class AbstractMask(eqx.Module):
         return Or(self, other)
 
 
+def block_rule(
+    mask: AbstractMask, q: BlockSummary, k: BlockSummary
+) -> Bool[Array, "*blocks"]:
+    """True where a block of queries may attend to a block of keys: both hold a valid
+    token and the mask's own block rule allows it.
+
+    The one definition of "this tile runs", shared by the ring's step skipping, the
+    schedule, and every kernel's tile skipping, so that the schedule counts exactly
+    what the kernels run."""
+    return q.any_valid & k.any_valid & mask.may_attend(q, k)
+
+
 def _shape(q: BlockSummary, k: BlockSummary) -> tuple[int, ...]:
     return jnp.broadcast_shapes(q.pos_min.shape, k.pos_min.shape)
 

@@ -12,7 +12,7 @@ from ._comm import RingConfig, RingPlan
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
-from ._masks import AbstractMask, Full, check_ids
+from ._masks import AbstractMask, Full, block_rule, check_ids
 from ._score_mods import AbstractScoreMod, apply_sinks, check_sinks
 from ._steps import early_stop_error, ring_window
 from ._tokens import TokenInfo
@@ -29,7 +29,7 @@ def _merge(o, lse, o_new, lse_new):
 
 def _may_attend(mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
     qs, ks = q_info.summary(), kv_info.summary()
-    return qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+    return block_rule(mask, qs, ks)
 
 
 class _Static:

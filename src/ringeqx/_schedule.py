@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import KernelName, select_kernel
 from ._layout import Layout
-from ._masks import AbstractMask
+from ._masks import AbstractMask, block_rule
 from ._steps import ring_window
 from ._tokens import BlockSummary, TokenInfo
 
@@ -94,10 +94,6 @@ def _tiles(info: TokenInfo, num: int, block: int) -> TokenInfo:
     )
 
 
-def _block_rule(mask: AbstractMask, q: BlockSummary, k: BlockSummary):
-    return q.any_valid & k.any_valid & mask.may_attend(q, k)
-
-
 def schedule(
     layout: Layout,
     mask: AbstractMask,
@@ -144,7 +140,7 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
 
     over_shard = jax.vmap(lambda i: BlockSummary.of(i))
     shard_sum = over_shard(info)
-    pairwise = jax.vmap(jax.vmap(lambda q, k: _block_rule(mask, q, k), (None, 0)), (0, None))
+    pairwise = jax.vmap(jax.vmap(lambda q, k: block_rule(mask, q, k), (None, 0)), (0, None))
     step_ok = pairwise(shard_sum, shard_sum)  # [q shard, kv shard]
 
     bq, bk = min(block_q, capacity), min(block_kv, capacity)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from ._layout import Layout
-from ._masks import AbstractMask
+from ._masks import AbstractMask, block_rule
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -66,4 +66,4 @@ def early_stop_error(mask: AbstractMask, layout: Layout) -> Bool[Array, ""]:
     j = jnp.arange(p)[None, :]
     # Device i meets shard j at step (i + num_ahead - j) mod p.
     met = (i + num_ahead - j) % p < num_steps
-    return jnp.any(~met & q.any_valid & k.any_valid & mask.may_attend(q, k))
+    return jnp.any(~met & block_rule(mask, q, k))

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Int
 
-from .._masks import AbstractMask
+from .._masks import AbstractMask, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 
@@ -255,7 +255,7 @@ def tile_table(
 
     qs = jax.tree.map(lambda x: x[:, :, None], summaries(q_info, q_len, block_q))
     ks = jax.tree.map(lambda x: x[:, None, :], summaries(kv_info, kv_len, block_kv))
-    run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+    run = block_rule(mask, qs, ks)
     return run.astype(jnp.int32)
 
 

@@ -2,8 +2,6 @@
 
 import dataclasses
 import math
-import statistics
-import time
 from collections.abc import Sequence
 
 import jax
@@ -12,6 +10,7 @@ from jax.typing import DTypeLike
 
 from .._masks import AbstractMask, Full
 from .._score_mods import AbstractScoreMod
+from .._timing import median_seconds
 from .._tokens import TokenInfo
 from ._base import AbstractAttentionKernel
 
@@ -105,12 +104,6 @@ def tune_block_sizes(
     timings = {}
     for blocks, candidate in kernels.items():
         fn = jax.jit(lambda *args, kernel=candidate: step(kernel, *args))
-        jax.block_until_ready(fn(q, k, v, d_out))
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v, d_out))
-            runs.append(time.perf_counter() - start)
-        timings[blocks] = statistics.median(runs)
+        timings[blocks] = median_seconds(fn, q, k, v, d_out, repeats=repeats)
     best = min(timings, key=timings.__getitem__)
     return kernels[best], timings

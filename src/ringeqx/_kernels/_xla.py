@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._masks import AbstractMask
+from .._masks import AbstractMask, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._base import AbstractAttentionKernel
@@ -173,7 +173,7 @@ class XlaKernel(AbstractAttentionKernel):
                         )
                         return m_new, denom, acc * alpha[..., None] + pv
 
-                    run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+                    run = block_rule(mask, qs, ks)
                     return jax.lax.cond(run, update, lambda c: c, carry), None
 
                 (m, denom, acc), _ = jax.lax.scan(kv_step, init, (kt, vt, ki, k_sum))
@@ -262,7 +262,7 @@ class XlaKernel(AbstractAttentionKernel):
                     def skip(carry):
                         return carry, jnp.zeros_like(q_blk, jnp.float32)
 
-                    run = qs.any_valid & ks.any_valid & mask.may_attend(qs, ks)
+                    run = block_rule(mask, qs, ks)
                     return jax.lax.cond(run, grads, skip, carry)
 
                 (dk, dv), dq = jax.lax.scan(
