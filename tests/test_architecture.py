@@ -159,7 +159,7 @@ _NOT_YET_SPLIT = {
     "ringeqx._kernels._select:select_kernel": 87,
     "ringeqx._kernels._tune:tune_block_sizes": 98,
     "ringeqx._kernels._xla:backward": 91,
-    "ringeqx._ring:ring_attention": 205,
+    "ringeqx._ring:ring_attention": 108,
 }
 
 

@@ -254,6 +254,148 @@ def _broadcast_info(info: TokenInfo, batch: int) -> TokenInfo:
     return jax.tree.map(flat, info)
 
 
+def _check_arguments(q, k, v, score_mod, sinks) -> None:
+    """The checks of ring_attention's arguments that need no mesh or layout."""
+    _check_qkv(q, k, v)
+    if score_mod is not None:
+        score_mod.check(q.shape[-2])
+    check_sinks(sinks, q.shape[-2])
+
+
+def _contiguous(q, num_shards: int, segment_ids, span_ids):
+    """The contiguous layout of `q`'s sequence (no `layout=` given), and the segment ids
+    flattened to `[batch, seq]`."""
+    batch_shape, seq = q.shape[:-3], q.shape[-3]
+    batch = math.prod(batch_shape)
+
+    def ids(name, x):
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        if x.ndim > 1 and x.shape[:-1] != batch_shape:
+            raise ValueError(
+                f"`{name}` must have shape [*batch, seq] = {batch_shape + (seq,)} "
+                f"or [seq]; got shape {x.shape}."
+            )
+        return x.reshape(batch, -1) if x.ndim > 1 else x
+
+    segment_ids = ids("segment_ids", segment_ids)
+    # Contiguous shards in the original order: sharding them only pads the end, so
+    # sequence-sharded inputs stay sharded (no device ever holds the whole sequence).
+    lay = contiguous_layout(
+        seq,
+        num_shards,
+        segment_ids=segment_ids,
+        span_ids=ids("span_ids", span_ids),
+    )
+    return lay, segment_ids
+
+
+def _check_layout(layout: Layout, q, mesh, axis_name: str, segment_ids, span_ids) -> Layout:
+    """Check that an explicit `layout=` fits the ring and `q` (which is in layout order)."""
+    num_shards, batch_shape, seq = mesh.shape[axis_name], q.shape[:-3], q.shape[-3]
+    for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
+        if ids_given is not None:
+            raise ValueError(
+                f"Pass `{name}` to the strategy that builds the layout, not to "
+                "ring_attention together with `layout=`."
+            )
+    if layout.num_shards != num_shards:
+        raise ValueError(
+            f"The layout has {layout.num_shards} shards but the ring axis "
+            f"{axis_name!r} has {num_shards} devices; they must be equal."
+        )
+    if seq != layout.sharded_len:
+        raise ValueError(
+            "With `layout=`, q/k/v must be in layout order with seq = num_shards * "
+            f"capacity = {layout.sharded_len}; got seq {seq}. Use `layout.shard`."
+        )
+    if layout.batch_shape not in ((), batch_shape):
+        raise ValueError(
+            f"The layout's batch shape {layout.batch_shape} must be () or the batch "
+            f"shape of q {batch_shape}."
+        )
+    return layout
+
+
+def _check_early_stop(mask: AbstractMask, lay: Layout, num_steps: int, num_shards: int) -> None:
+    """Raise when the ring stops early but a shard it skips may attend."""
+    if num_steps >= num_shards:
+        return
+    # Checked whenever the layout and mask are concrete (a runtime check would need a
+    # host callback, which cannot stop an SPMD program on every device).
+    with jax.ensure_compile_time_eval():
+        bad = early_stop_error(mask, lay)
+    if not isinstance(bad, jax.core.Tracer) and bool(bad):
+        raise ValueError(
+            f"The ring stops after {num_steps} of {num_shards} steps (the mask's "
+            "max_distance/max_lookahead and a contiguous layout), but a shard it "
+            "skips may attend: either the mask's bounds are wrong or the layout's "
+            "shards hold fewer than `capacity` tokens between others. Fix the "
+            "bounds, or use a layout with contiguous=False."
+        )
+
+
+def _settings(kernel, scale, axis_name, num_shards, config, mask, lay) -> _Static:
+    """The static settings of the ring: how many steps it takes, from which start."""
+    num_ahead, num_steps = ring_window(mask, lay)
+    _check_early_stop(mask, lay, num_steps, num_shards)
+    return _Static(kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
+
+
+def _batch_axis(mesh, batch_shape) -> str | None:
+    """The mesh axis the batch is sharded over: `"batch"` where the mesh has one."""
+    if not (batch_shape and "batch" in mesh.axis_names):
+        return None
+    batch = math.prod(batch_shape)
+    if batch % mesh.shape["batch"] != 0:
+        raise ValueError(
+            f"The batch size {batch} must be divisible by the mesh axis 'batch' of size "
+            f"{mesh.shape['batch']}."
+        )
+    return "batch"
+
+
+def _shard_map(st: _Static, mesh, batch_axis, qkv, lay: Layout, mask, score_mod, sinks):
+    """Run the ring on each device over `[batch, seq, heads, head_dim]` q/k/v in layout
+    order; the result, in that order, is typed like q (float32 before the sinks)."""
+    dtype = qkv[0].dtype
+    seq_spec = PartitionSpec(batch_axis, st.axis_name)
+    info = _broadcast_info(lay.token_info(), qkv[0].shape[0])
+
+    def local(q, k, v, info, mask, score_mod):
+        # Heads-major inside the device: the kernels' matmuls then batch over heads.
+        qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+        out, lse = _ring(st, qh, kh, vh, info, info, mask, score_mod)
+        out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+        # With sinks, the float32 result is rescaled outside (where autodiff gives the
+        # sinks their gradient) before the cast.
+        return (out if sinks is not None else out.astype(q.dtype)), lse
+
+    qkv = tuple(_constrain(x, mesh, seq_spec) for x in qkv)
+    info = jax.tree.map(lambda x: _constrain(x, mesh, seq_spec), info)
+    out, lse = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, PartitionSpec(), PartitionSpec()),
+        out_specs=(seq_spec, seq_spec),
+        check_vma=False,
+    )(*qkv, info, mask, score_mod)
+    if sinks is not None:
+        out = apply_sinks(out, lse, sinks).astype(dtype)
+    return out
+
+
+def _unshard(out, lay: Layout, mesh, batch_axis):
+    """Back from a contiguous layout to the original order."""
+    # Drops the end padding: a slice, so the output keeps the input's sharding. With
+    # padding, `seq` has no even sharding (JAX cannot have placed q sharded): the
+    # result comes back whole, as q came in; Explicit axes need that said first.
+    if lay.sharded_len != lay.seq_len:
+        out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
+    return lay.unshard(out, axis=1)
+
+
 def ring_attention(
     q: Float[Array, "*batch seq heads head_dim"],
     k: Float[Array, "*batch seq kv_heads head_dim"],
@@ -341,121 +483,24 @@ def ring_attention(
         }
         ```
     """
-    _check_qkv(q, k, v)
+    _check_arguments(q, k, v, score_mod, sinks)
     mask = Full() if mask is None else mask
-    if score_mod is not None:
-        score_mod.check(q.shape[-2])
-    check_sinks(sinks, q.shape[-2])
     config = RingConfig() if config is None else config
     kernel_obj = select_kernel(kernel, device_type, interpret=interpret)
     mesh = _resolve_mesh(mesh, axis_name)
-    num_shards = mesh.shape[axis_name]
-    batch_shape, seq = q.shape[:-3], q.shape[-3]
-    batch = math.prod(batch_shape)
-    heads, head_dim = q.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    batch = math.prod(q.shape[:-3])
     q3, k3, v3 = (x.reshape((batch,) + x.shape[-3:]) for x in (q, k, v))
     if layout is None:
-
-        def ids(name, x):
-            if x is None:
-                return None
-            x = jnp.asarray(x)
-            if x.ndim > 1 and x.shape[:-1] != batch_shape:
-                raise ValueError(
-                    f"`{name}` must have shape [*batch, seq] = {batch_shape + (seq,)} "
-                    f"or [seq]; got shape {x.shape}."
-                )
-            return x.reshape(batch, -1) if x.ndim > 1 else x
-
-        segment_ids = ids("segment_ids", segment_ids)
-        # Contiguous shards in the original order: sharding them only pads the end, so
-        # sequence-sharded inputs stay sharded (no device ever holds the whole sequence).
-        lay = contiguous_layout(
-            seq,
-            num_shards,
-            segment_ids=segment_ids,
-            span_ids=ids("span_ids", span_ids),
-        )
+        lay, segment_ids = _contiguous(q, mesh.shape[axis_name], segment_ids, span_ids)
         q3, k3, v3 = (lay.shard(x, axis=1) for x in (q3, k3, v3))
     else:
-        for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
-            if ids_given is not None:
-                raise ValueError(
-                    f"Pass `{name}` to the strategy that builds the layout, not to "
-                    "ring_attention together with `layout=`."
-                )
-        if layout.num_shards != num_shards:
-            raise ValueError(
-                f"The layout has {layout.num_shards} shards but the ring axis "
-                f"{axis_name!r} has {num_shards} devices; they must be equal."
-            )
-        if seq != layout.sharded_len:
-            raise ValueError(
-                "With `layout=`, q/k/v must be in layout order with seq = num_shards * "
-                f"capacity = {layout.sharded_len}; got seq {seq}. Use `layout.shard`."
-            )
-        if layout.batch_shape not in ((), batch_shape):
-            raise ValueError(
-                f"The layout's batch shape {layout.batch_shape} must be () or the batch "
-                f"shape of q {batch_shape}."
-            )
-        lay = layout
+        lay = _check_layout(layout, q, mesh, axis_name, segment_ids, span_ids)
     check_ids(mask, segment_ids, span_ids, layout)
     mask.check(lay.seq_len)
-
-    info = _broadcast_info(lay.token_info(), batch)
-    num_ahead, num_steps = ring_window(mask, lay)
-    if num_steps < num_shards:
-        # Checked whenever the layout and mask are concrete (a runtime check would need a
-        # host callback, which cannot stop an SPMD program on every device).
-        with jax.ensure_compile_time_eval():
-            bad = early_stop_error(mask, lay)
-        if not isinstance(bad, jax.core.Tracer) and bool(bad):
-            raise ValueError(
-                f"The ring stops after {num_steps} of {num_shards} steps (the mask's "
-                "max_distance/max_lookahead and a contiguous layout), but a shard it "
-                "skips may attend: either the mask's bounds are wrong or the layout's "
-                "shards hold fewer than `capacity` tokens between others. Fix the "
-                "bounds, or use a layout with contiguous=False."
-            )
-    st = _Static(
-        kernel_obj, scale, axis_name, num_shards, num_steps, config, num_ahead
-    )
-    batch_axis = "batch" if (batch_shape and "batch" in mesh.axis_names) else None
-    if batch_axis is not None and batch % mesh.shape["batch"] != 0:
-        raise ValueError(
-            f"The batch size {batch} must be divisible by the mesh axis 'batch' of size "
-            f"{mesh.shape['batch']}."
-        )
-    seq_spec = PartitionSpec(batch_axis, axis_name)
-
-    def local(q, k, v, info, mask, score_mod):
-        # Heads-major inside the device: the kernels' matmuls then batch over heads.
-        qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out, lse = _ring(st, qh, kh, vh, info, info, mask, score_mod)
-        out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
-        # With sinks, the float32 result is rescaled outside (where autodiff gives the
-        # sinks their gradient) before the cast.
-        return (out if sinks is not None else out.astype(q.dtype)), lse
-
-    q3, k3, v3 = (_constrain(x, mesh, seq_spec) for x in (q3, k3, v3))
-    info = jax.tree.map(lambda x: _constrain(x, mesh, seq_spec), info)
-    out, lse = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=(seq_spec, seq_spec),
-        check_vma=False,
-    )(q3, k3, v3, info, mask, score_mod)
-    if sinks is not None:
-        out = apply_sinks(out, lse, sinks).astype(q.dtype)
+    st = _settings(kernel_obj, scale, axis_name, mesh.shape[axis_name], config, mask, lay)
+    batch_axis = _batch_axis(mesh, q.shape[:-3])
+    out = _shard_map(st, mesh, batch_axis, (q3, k3, v3), lay, mask, score_mod, sinks)
     if layout is None:
-        # Drops the end padding: a slice, so the output keeps the input's sharding. With
-        # padding, `seq` has no even sharding (JAX cannot have placed q sharded): the
-        # result comes back whole, as q came in; Explicit axes need that said first.
-        if lay.sharded_len != seq:
-            out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
-        out = lay.unshard(out, axis=1)
-    return out.reshape(batch_shape + (seq, heads, head_dim))
+        out = _unshard(out, lay, mesh, batch_axis)
+    return out.reshape(q.shape)
