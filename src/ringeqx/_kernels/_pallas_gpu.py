@@ -2,6 +2,7 @@
 backward."""
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -13,7 +14,7 @@ from jaxtyping import Array, Float
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
-from . import _pallas_tiles as tiles
+from . import _pallas_common as common, _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel
 
 
@@ -185,6 +186,139 @@ def _dkv_kernel(
     dv_ref[...] = dv
 
 
+def _query_grid_specs(
+    t: common.Tiling, ops: common.Operands, steps: int, backward: bool
+) -> list[Any]:
+    """Block specs of the forward and dQ grids `(batch, head, query tile)`, for the inputs
+    `(Q, K, V[, dO, lse, delta], Q records, K records, skip table, *mask leaves,
+    *modifier leaves)`: a program gets its query tile, every key and value of its kv
+    head (it loops over their tiles) and its query tile's row of the skip table (`steps`
+    long)."""
+    d, groups = t.head_dim, t.groups
+    q_side = pl.BlockSpec((None, None, t.block_q, d), lambda b, h, i: (b, h, i, 0))
+    kv_side = pl.BlockSpec(
+        (None, None, t.kv_padded, d), lambda b, h, i: (b, h // groups, 0, 0)
+    )
+    rows = pl.BlockSpec((None, None, t.block_q), lambda b, h, i: (b, h, i))
+    grads = [q_side, rows, rows] if backward else []
+    return [
+        q_side,
+        kv_side,
+        kv_side,
+        *grads,
+        pl.BlockSpec((None, 4, t.block_q), lambda b, h, i: (b, 0, i)),
+        pl.BlockSpec((None, 4, t.kv_padded), lambda b, h, i: (b, 0, 0)),
+        pl.BlockSpec((None, None, steps), lambda b, h, i: (b, i, 0)),
+        *tiles.whole_array_specs(ops.mask_leaves),
+        *tiles.head_specs(ops.mod_leaves, lambda b, h, i: h),
+    ]
+
+
+def _key_grid_specs(t: common.Tiling, ops: common.Operands, steps: int) -> list[Any]:
+    """Block specs of the dK/dV grid `(batch, kv head, key tile)`, inputs as in
+    `_query_grid_specs`: a program gets its key tile, and every query tile of the query
+    heads of kv head `j`, which are `j * groups, ..., j * groups + groups - 1`: one
+    block."""
+    d, groups = t.head_dim, t.groups
+    q_side = pl.BlockSpec((None, groups, t.q_padded, d), lambda b, j, s: (b, j, 0, 0))
+    kv_side = pl.BlockSpec((None, None, t.block_kv, d), lambda b, j, s: (b, j, s, 0))
+    rows = pl.BlockSpec((None, groups, t.q_padded), lambda b, j, s: (b, j, 0))
+    return [
+        q_side,
+        kv_side,
+        kv_side,
+        q_side,
+        rows,
+        rows,
+        pl.BlockSpec((None, 4, t.q_padded), lambda b, j, s: (b, 0, 0)),
+        pl.BlockSpec((None, 4, t.block_kv), lambda b, j, s: (b, 0, s)),
+        pl.BlockSpec((None, None, steps), lambda b, j, s: (b, s, 0)),
+        *tiles.whole_array_specs(ops.mask_leaves),
+        *tiles.head_specs(ops.mod_leaves, lambda b, j, s: j, rows=groups),
+    ]
+
+
+def _forward_call(
+    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
+) -> tuple[Array, Array]:
+    """`(out [b, h, lq, d], lse [b, h, lq])` of the padded inputs `(Q, K, V, Q records,
+    K records, skip table)`."""
+    kernel = functools.partial(
+        _forward_kernel, **ops.kernel_args, block_kv=t.block_kv, num_kv=t.num_kv
+    )
+    shape = (t.batch, t.heads, t.q_padded)
+    return pl.pallas_call(
+        kernel,
+        grid=(t.batch, t.heads, t.num_q),
+        in_specs=_query_grid_specs(t, ops, inputs[-1].shape[2], backward=False),
+        out_specs=[
+            pl.BlockSpec(
+                (None, None, t.block_q, t.head_dim), lambda b, h, i: (b, h, i, 0)
+            ),
+            pl.BlockSpec((None, None, t.block_q), lambda b, h, i: (b, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*shape, t.head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(shape, jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="ringeqx_gpu_flash_forward",
+    )(*inputs, *ops.leaves)
+
+
+def _dq_call(
+    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
+) -> Array:
+    """dQ `[b, h, lq, d]` of the padded backward inputs `(Q, K, V, dO, lse, delta, Q
+    records, K records, skip table)`, on the forward's grid."""
+    kernel = functools.partial(
+        _dq_kernel, **ops.kernel_args, block_kv=t.block_kv, num_kv=t.num_kv
+    )
+    block = (None, None, t.block_q, t.head_dim)
+    return pl.pallas_call(
+        kernel,
+        grid=(t.batch, t.heads, t.num_q),
+        in_specs=_query_grid_specs(t, ops, inputs[-1].shape[2], backward=True),
+        out_specs=pl.BlockSpec(block, lambda b, h, i: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct(
+            (t.batch, t.heads, t.q_padded, t.head_dim), jnp.float32
+        ),
+        compiler_params=params,
+        interpret=interpret,
+        name="ringeqx_gpu_flash_backward_dq",
+    )(*inputs, *ops.leaves)
+
+
+def _dkv_call(
+    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
+) -> tuple[Array, Array]:
+    """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs (as for
+    `_dq_call`, the skip table transposed): one program per key tile, looping over the
+    query tiles of its group's query heads."""
+    kernel = functools.partial(
+        _dkv_kernel,
+        **ops.kernel_args,
+        block_q=t.block_q,
+        num_q=t.num_q,
+        groups=t.groups,
+    )
+    block = pl.BlockSpec(
+        (None, None, t.block_kv, t.head_dim), lambda b, j, s: (b, j, s, 0)
+    )
+    shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
+    return pl.pallas_call(
+        kernel,
+        grid=(t.batch, t.kv_heads, t.num_kv),
+        in_specs=_key_grid_specs(t, ops, inputs[-1].shape[2]),
+        out_specs=[block, block],
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="ringeqx_gpu_flash_backward_dkv",
+    )(*inputs, *ops.leaves)
+
+
 class PallasGpuKernel(AbstractAttentionKernel):
     """Flash attention written in Pallas for GPUs (Triton).
 
@@ -275,6 +409,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
             warps = 4 if head_dim <= 64 else 8
         return plgpu.CompilerParams(num_warps=warps, num_stages=self.num_stages)
 
+    def _tiling(self, q: Array, k: Array) -> common.Tiling:
+        block_q = _block(self.block_q, q.shape[2])
+        block_kv = _block(self.block_kv, k.shape[2])
+        return common.tiling(q, k, block_q, block_kv)
+
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
@@ -290,68 +429,18 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
-            b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
-            bq, bk = _block(self.block_q, q_len), _block(self.block_kv, kv_len)
-            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
-            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
-            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
-            run = _run_table(run)
-            kernel = functools.partial(
-                _forward_kernel,
-                rebuild_mask=rebuild_mask,
-                rebuild_mod=rebuild_mod,
-                num_mask=len(mask_leaves),
-                scale=scale,
-                block_kv=bk,
-                num_kv=lk // bk,
-            )
-            leaf_specs = [
-                *tiles.whole_array_specs(mask_leaves),
-                *tiles.head_specs(mod_leaves, lambda b, h, i: h),
-            ]
-            out, lse = pl.pallas_call(
-                kernel,
-                grid=(b, h, lq // bq),
-                in_specs=[
-                    pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
-                    pl.BlockSpec(
-                        (None, None, lk, d), lambda b, h, i: (b, h // g, 0, 0)
-                    ),
-                    pl.BlockSpec(
-                        (None, None, lk, d), lambda b, h, i: (b, h // g, 0, 0)
-                    ),
-                    pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
-                    pl.BlockSpec((None, 4, lk), lambda b, h, i: (b, 0, 0)),
-                    pl.BlockSpec(
-                        (None, None, run.shape[2]), lambda b, h, i: (b, i, 0)
-                    ),
-                    *leaf_specs,
-                ],
-                out_specs=[
-                    pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
-                    pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-                ],
-                out_shape=[
-                    jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
-                    jax.ShapeDtypeStruct((b, h, lq), jnp.float32),
-                ],
-                compiler_params=self._params(d),
-                interpret=self.interpret,
-                name="ringeqx_gpu_flash_forward",
-            )(
-                tiles.pad_axis(q, 2, lq),
-                tiles.pad_axis(k, 2, lk),
-                tiles.pad_axis(v, 2, lk),
-                tiles.records(q_info, lq),
-                tiles.records(kv_info, lk),
+            t = self._tiling(q, k)
+            ops = common.operands(mask, score_mod, t.heads, scale)
+            run = _run_table(common.tile_table(t, mask, q_info, kv_info))
+            inputs = (
+                *common.pad_qkv(t, q, k, v),
+                tiles.records(q_info, t.q_padded),
+                tiles.records(kv_info, t.kv_padded),
                 run,
-                *mask_leaves,
-                *mod_leaves,
             )
-            return out[:, :, :q_len], lse[:, :, :q_len]
+            params = self._params(t.head_dim)
+            out, lse = _forward_call(t, ops, inputs, params, self.interpret)
+            return out[:, :, : t.q_len], lse[:, :, : t.q_len]
 
     def backward(
         self,
@@ -373,98 +462,17 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
-            b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
-            bq, bk = _block(self.block_q, q_len), _block(self.block_kv, kv_len)
-            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
-            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
-            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
-            whole = tiles.whole_array_specs(mask_leaves)
-            operands = dict(
-                rebuild_mask=rebuild_mask,
-                rebuild_mod=rebuild_mod,
-                num_mask=len(mask_leaves),
-                scale=scale,
-            )
-            lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            qp, dop = (tiles.pad_axis(x, 2, lq) for x in (q, d_out.astype(q.dtype)))
-            lse_p, delta_p = (tiles.pad_axis(x, 2, lq) for x in (lse, delta))
-            kp, vp = (tiles.pad_axis(x, 2, lk) for x in (k, v))
-            q_rec, k_rec = tiles.records(q_info, lq), tiles.records(kv_info, lk)
+            t = self._tiling(q, k)
+            ops = common.operands(mask, score_mod, t.heads, scale)
+            run = common.tile_table(t, mask, q_info, kv_info)
+            qp, kp, vp = common.pad_qkv(t, q, k, v)
+            dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
+            q_rec = tiles.records(q_info, t.q_padded)
+            k_rec = tiles.records(kv_info, t.kv_padded)
             inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec)
+            params = self._params(t.head_dim)
             run_q = _run_table(run)
             run_k = _run_table(jnp.swapaxes(run, 1, 2))
-
-            dq = pl.pallas_call(
-                functools.partial(
-                    _dq_kernel,
-                    **operands,
-                    block_kv=bk,
-                    num_kv=lk // bk,
-                ),
-                grid=(b, h, lq // bq),
-                in_specs=[
-                    pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
-                    pl.BlockSpec(
-                        (None, None, lk, d), lambda b, h, i: (b, h // g, 0, 0)
-                    ),
-                    pl.BlockSpec(
-                        (None, None, lk, d), lambda b, h, i: (b, h // g, 0, 0)
-                    ),
-                    pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0)),
-                    pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-                    pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-                    pl.BlockSpec((None, 4, bq), lambda b, h, i: (b, 0, i)),
-                    pl.BlockSpec((None, 4, lk), lambda b, h, i: (b, 0, 0)),
-                    pl.BlockSpec(
-                        (None, None, run_q.shape[2]), lambda b, h, i: (b, i, 0)
-                    ),
-                    *whole,
-                    *tiles.head_specs(mod_leaves, lambda b, h, i: h),
-                ],
-                out_specs=pl.BlockSpec(
-                    (None, None, bq, d), lambda b, h, i: (b, h, i, 0)
-                ),
-                out_shape=jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
-                compiler_params=self._params(d),
-                interpret=self.interpret,
-                name="ringeqx_gpu_flash_backward_dq",
-            )(*inputs, run_q, *mask_leaves, *mod_leaves)
-
-            # The query heads of kv head `j` are `j * g, ..., j * g + g - 1`: one block.
-            dk, dv = pl.pallas_call(
-                functools.partial(
-                    _dkv_kernel,
-                    **operands,
-                    block_q=bq,
-                    num_q=lq // bq,
-                    groups=g,
-                ),
-                grid=(b, kh, lk // bk),
-                in_specs=[
-                    pl.BlockSpec((None, g, lq, d), lambda b, j, t: (b, j, 0, 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, j, t: (b, j, t, 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, j, t: (b, j, t, 0)),
-                    pl.BlockSpec((None, g, lq, d), lambda b, j, t: (b, j, 0, 0)),
-                    pl.BlockSpec((None, g, lq), lambda b, j, t: (b, j, 0)),
-                    pl.BlockSpec((None, g, lq), lambda b, j, t: (b, j, 0)),
-                    pl.BlockSpec((None, 4, lq), lambda b, j, t: (b, 0, 0)),
-                    pl.BlockSpec((None, 4, bk), lambda b, j, t: (b, 0, t)),
-                    pl.BlockSpec(
-                        (None, None, run_k.shape[2]), lambda b, j, t: (b, t, 0)
-                    ),
-                    *whole,
-                    *tiles.head_specs(mod_leaves, lambda b, j, t: j, rows=g),
-                ],
-                out_specs=[
-                    pl.BlockSpec((None, None, bk, d), lambda b, j, t: (b, j, t, 0)),
-                    pl.BlockSpec((None, None, bk, d), lambda b, j, t: (b, j, t, 0)),
-                ],
-                out_shape=[jax.ShapeDtypeStruct((b, kh, lk, d), jnp.float32)] * 2,
-                compiler_params=self._params(d),
-                interpret=self.interpret,
-                name="ringeqx_gpu_flash_backward_dkv",
-            )(*inputs, run_k, *mask_leaves, *mod_leaves)
-            return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
+            dq = _dq_call(t, ops, (*inputs, run_q), params, self.interpret)
+            dk, dv = _dkv_call(t, ops, (*inputs, run_k), params, self.interpret)
+            return common.trim_grads(t, dq, dk, dv)

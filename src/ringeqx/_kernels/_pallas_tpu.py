@@ -2,6 +2,8 @@
 backward."""
 
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -13,7 +15,7 @@ from jaxtyping import Array, Float, Int
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
-from . import _pallas_tiles as tiles
+from . import _pallas_common as common, _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel
 
 
@@ -77,8 +79,9 @@ def _k_info(ref) -> TokenInfo:
 
 
 def _lanes(x: Array) -> Array:
-    """`[bq, 1]` -> `[bq, 128]` for storing per-row statistics."""
-    return jnp.broadcast_to(x, (x.shape[0], _LANES))
+    """`[..., 1]` -> `[..., 128]`: per-row statistics (lse, delta, the running max and
+    sum) broadcast along lanes."""
+    return jnp.broadcast_to(x, x.shape[:-1] + (_LANES,))
 
 
 def _forward_kernel(
@@ -236,6 +239,184 @@ def _dkv_kernel(
         dv_ref[...] = dv_acc[...]
 
 
+class _Maps(NamedTuple):
+    """Index maps of one grid: Q-side blocks (Q, dO, lse, delta), K/V blocks, the token
+    records of both, and the query head whose modifier row a program gets."""
+
+    q: Callable
+    kv: Callable
+    q_rec: Callable
+    k_rec: Callable
+    head: Callable
+
+
+def _query_grid_maps(t: common.Tiling) -> _Maps:
+    """Maps of the forward and dQ grids `(batch, head, query tile, key tile)`."""
+    kv_map = kv_index_map(t.groups, t.num_q, t.num_kv)
+
+    def q_map(b, h, i, j, *_):
+        return b, h, i, 0
+
+    def q_rec_map(b, h, i, j, *_):
+        return b, 0, i, 0
+
+    def k_rec_map(b, h, i, j, *prefetch):
+        return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
+
+    def head_map(b, h, i, j, *_):
+        return h
+
+    return _Maps(q_map, kv_map, q_rec_map, k_rec_map, head_map)
+
+
+def _key_grid_maps(t: common.Tiling) -> _Maps:
+    """Maps of the dK/dV grid `(batch, kv head, key tile, query head in the group,
+    query tile)`."""
+    groups = t.groups
+    q_map = q_index_map(groups, t.num_q, t.num_kv)
+
+    def k_map(b, j, s, gi, i, *_):
+        return b, j, s, 0
+
+    def q_rec_map(b, j, s, gi, i, *prefetch):
+        return b, 0, q_map(b, j, s, gi, i, *prefetch)[2], 0
+
+    def k_rec_map(b, j, s, gi, i, *_):
+        return b, 0, 0, s
+
+    def head_map(b, j, s, gi, i, *_):
+        return j * groups + gi
+
+    return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map)
+
+
+def _in_specs(
+    t: common.Tiling, maps: _Maps, ops: common.Operands, backward: bool
+) -> list[Any]:
+    """Block specs of the inputs `(Q, K, V[, dO, lse, delta], Q records, K records,
+    *mask leaves, *modifier leaves)`; the backward's per-row lse and delta are
+    `[bq, 128]` (`_lanes`)."""
+    q_side = pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q)
+    kv_side = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
+    rows = pl.BlockSpec((None, None, t.block_q, _LANES), maps.q)
+    grads = [q_side, rows, rows] if backward else []
+    return [
+        q_side,
+        kv_side,
+        kv_side,
+        *grads,
+        pl.BlockSpec((None, 4, t.block_q, _LANES), maps.q_rec),
+        pl.BlockSpec((None, 4, _SUBLANES, t.block_kv), maps.k_rec),
+        *tiles.whole_array_specs(ops.mask_leaves),
+        *tiles.head_specs(ops.mod_leaves, maps.head),
+    ]
+
+
+def _mosaic_call(
+    kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name
+):
+    """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
+    the last `sequential` grid axes accumulate into scratch ("arbitrary")."""
+    semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=scratch,
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=interpret,
+        name=name,
+    )
+
+
+def _forward_call(
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+) -> tuple[Array, Array]:
+    """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
+    records, K records)`."""
+    maps = _query_grid_maps(t)
+    bq, d = t.block_q, t.head_dim
+    kernel = functools.partial(
+        _forward_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
+    )
+    return _mosaic_call(
+        kernel,
+        grid=(t.batch, t.heads, t.num_q, t.num_kv),
+        in_specs=_in_specs(t, maps, ops, backward=False),
+        out_specs=[
+            pl.BlockSpec((None, None, bq, d), maps.q),
+            pl.BlockSpec((None, None, bq, _LANES), maps.q),
+        ],
+        scratch=[
+            pltpu.VMEM((bq, _LANES), jnp.float32),
+            pltpu.VMEM((bq, _LANES), jnp.float32),
+            pltpu.VMEM((bq, d), jnp.float32),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, d), jnp.float32),
+            jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, _LANES), jnp.float32),
+        ],
+        sequential=1,
+        interpret=interpret,
+        name="ringeqx_tpu_flash_forward",
+    )(*plan, *inputs, *ops.leaves)
+
+
+def _dq_call(
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+) -> Array:
+    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid."""
+    maps = _query_grid_maps(t)
+    kernel = functools.partial(
+        _dq_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
+    )
+    shape = (t.batch, t.heads, t.q_padded, t.head_dim)
+    return _mosaic_call(
+        kernel,
+        grid=(t.batch, t.heads, t.num_q, t.num_kv),
+        in_specs=_in_specs(t, maps, ops, backward=True),
+        out_specs=pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q),
+        scratch=[pltpu.VMEM((t.block_q, t.head_dim), jnp.float32)],
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+        sequential=1,
+        interpret=interpret,
+        name="ringeqx_tpu_flash_backward_dq",
+    )(*plan, *inputs, *ops.leaves)
+
+
+def _dkv_call(
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+) -> tuple[Array, Array]:
+    """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs: a key
+    tile accumulates over the query tiles of every query head in its group."""
+    maps = _key_grid_maps(t)
+    kernel = functools.partial(
+        _dkv_kernel,
+        **ops.kernel_args,
+        num_q=t.num_q,
+        num_kv=t.num_kv,
+        groups=t.groups,
+    )
+    block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
+    shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
+    return _mosaic_call(
+        kernel,
+        grid=(t.batch, t.kv_heads, t.num_kv, t.groups, t.num_q),
+        in_specs=_in_specs(t, maps, ops, backward=True),
+        out_specs=[block, block],
+        scratch=[pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
+        sequential=2,
+        interpret=interpret,
+        name="ringeqx_tpu_flash_backward_dkv",
+    )(*plan, *inputs, *ops.leaves)
+
+
 class PallasTpuKernel(AbstractAttentionKernel):
     """Flash attention written in Pallas for TPUs (Mosaic).
 
@@ -308,11 +489,11 @@ class PallasTpuKernel(AbstractAttentionKernel):
         tiles.check_lowerable(mask, score_mod, "PallasTpuKernel", "TPU", "Mosaic")
         return tiles.platform_check(q, "PallasTpuKernel", ("tpu",), "TPU", "Mosaic")
 
-    def _blocks(self, q_len: int, kv_len: int) -> tuple[int, int]:
-        return (
-            min(self.block_q, tiles.round_up(q_len, _SUBLANES)),
-            min(self.block_kv, tiles.round_up(kv_len, _LANES)),
-        )
+    def _tiling(self, q: Array, k: Array) -> common.Tiling:
+        q_len, kv_len = q.shape[2], k.shape[2]
+        block_q = min(self.block_q, tiles.round_up(q_len, _SUBLANES))
+        block_kv = min(self.block_kv, tiles.round_up(kv_len, _LANES))
+        return common.tiling(q, k, block_q, block_kv)
 
     def forward(
         self,
@@ -329,83 +510,16 @@ class PallasTpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
-            b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
-            bq, bk = self._blocks(q_len, kv_len)
-            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            nq, nk = lq // bq, lk // bk
-            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
-            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
-            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
-            kv_map = kv_index_map(g, nq, nk)
-
-            def q_map(b, h, i, j, *_):
-                return b, h, i, 0
-
-            def k_rec_map(b, h, i, j, *prefetch):
-                return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
-
-            grid_spec = pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=2,
-                grid=(b, h, nq, nk),
-                in_specs=[
-                    pl.BlockSpec((None, None, bq, d), q_map),
-                    pl.BlockSpec((None, None, bk, d), kv_map),
-                    pl.BlockSpec((None, None, bk, d), kv_map),
-                    pl.BlockSpec(
-                        (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
-                    ),
-                    pl.BlockSpec((None, 4, _SUBLANES, bk), k_rec_map),
-                    *tiles.whole_array_specs(mask_leaves),
-                    *tiles.head_specs(mod_leaves, lambda b, h, i, j, *_: h),
-                ],
-                out_specs=[
-                    pl.BlockSpec((None, None, bq, d), q_map),
-                    pl.BlockSpec((None, None, bq, _LANES), q_map),
-                ],
-                scratch_shapes=[
-                    pltpu.VMEM((bq, _LANES), jnp.float32),
-                    pltpu.VMEM((bq, _LANES), jnp.float32),
-                    pltpu.VMEM((bq, d), jnp.float32),
-                ],
+            t = self._tiling(q, k)
+            ops = common.operands(mask, score_mod, t.heads, scale)
+            plan = tile_plan(common.tile_table(t, mask, q_info, kv_info))
+            inputs = (
+                *common.pad_qkv(t, q, k, v),
+                _q_records(q_info, t.q_padded),
+                _k_records(kv_info, t.kv_padded),
             )
-            out, lse = pl.pallas_call(
-                functools.partial(
-                    _forward_kernel,
-                    rebuild_mask=rebuild_mask,
-                    rebuild_mod=rebuild_mod,
-                    num_mask=len(mask_leaves),
-                    scale=scale,
-                    num_q=nq,
-                    num_kv=nk,
-                ),
-                grid_spec=grid_spec,
-                out_shape=[
-                    jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
-                    jax.ShapeDtypeStruct((b, h, lq, _LANES), jnp.float32),
-                ],
-                compiler_params=pltpu.CompilerParams(
-                    dimension_semantics=(
-                        "parallel",
-                        "parallel",
-                        "parallel",
-                        "arbitrary",
-                    )
-                ),
-                interpret=self.interpret,
-                name="ringeqx_tpu_flash_forward",
-            )(
-                *tile_plan(run),
-                tiles.pad_axis(q, 2, lq),
-                tiles.pad_axis(k, 2, lk),
-                tiles.pad_axis(v, 2, lk),
-                _q_records(q_info, lq),
-                _k_records(kv_info, lk),
-                *mask_leaves,
-                *mod_leaves,
-            )
-            return out[:, :, :q_len], lse[:, :, :q_len, 0]
+            out, lse = _forward_call(t, ops, plan, inputs, self.interpret)
+            return out[:, :, : t.q_len], lse[:, :, : t.q_len, 0]
 
     def backward(
         self,
@@ -427,136 +541,22 @@ class PallasTpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
-            b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
-            bq, bk = self._blocks(q_len, kv_len)
-            lq, lk = tiles.round_up(q_len, bq), tiles.round_up(kv_len, bk)
-            nq, nk = lq // bq, lk // bk
-            mask_leaves, rebuild_mask = tiles.mask_operands(mask)
-            mod_leaves, rebuild_mod = tiles.head_operands(score_mod, h)
-            run = tiles.tile_table(mask, q_info, kv_info, lq, bq, lk, bk)
-            whole = tiles.whole_array_specs(mask_leaves)
-            operands = dict(
-                rebuild_mask=rebuild_mask,
-                rebuild_mod=rebuild_mod,
-                num_mask=len(mask_leaves),
-                scale=scale,
-                num_q=nq,
-                num_kv=nk,
-            )
-            lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-
-            def rows(x):
-                return jnp.broadcast_to(
-                    tiles.pad_axis(x, 2, lq)[..., None], (b, h, lq, _LANES)
-                )
-
+            t = self._tiling(q, k)
+            ops = common.operands(mask, score_mod, t.heads, scale)
+            run = common.tile_table(t, mask, q_info, kv_info)
+            qp, kp, vp = common.pad_qkv(t, q, k, v)
+            dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
-                tiles.pad_axis(q, 2, lq),
-                tiles.pad_axis(k, 2, lk),
-                tiles.pad_axis(v, 2, lk),
-                tiles.pad_axis(d_out.astype(q.dtype), 2, lq),
-                rows(lse),
-                rows(delta),
-                _q_records(q_info, lq),
-                _k_records(kv_info, lk),
+                qp,
+                kp,
+                vp,
+                dop,
+                _lanes(lse_p[..., None]),
+                _lanes(delta_p[..., None]),
+                _q_records(q_info, t.q_padded),
+                _k_records(kv_info, t.kv_padded),
             )
-            leaves = (*mask_leaves, *mod_leaves)
-            kv_map = kv_index_map(g, nq, nk)
-
-            def q_map(b, h, i, j, *_):
-                return b, h, i, 0
-
-            def k_rec_map(b, h, i, j, *prefetch):
-                return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
-
-            dq = pl.pallas_call(
-                functools.partial(_dq_kernel, **operands),
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=2,
-                    grid=(b, h, nq, nk),
-                    in_specs=[
-                        pl.BlockSpec((None, None, bq, d), q_map),
-                        pl.BlockSpec((None, None, bk, d), kv_map),
-                        pl.BlockSpec((None, None, bk, d), kv_map),
-                        pl.BlockSpec((None, None, bq, d), q_map),
-                        pl.BlockSpec((None, None, bq, _LANES), q_map),
-                        pl.BlockSpec((None, None, bq, _LANES), q_map),
-                        pl.BlockSpec(
-                            (None, 4, bq, _LANES), lambda b, h, i, j, *_: (b, 0, i, 0)
-                        ),
-                        pl.BlockSpec((None, 4, _SUBLANES, bk), k_rec_map),
-                        *whole,
-                        *tiles.head_specs(mod_leaves, lambda b, h, i, j, *_: h),
-                    ],
-                    out_specs=pl.BlockSpec((None, None, bq, d), q_map),
-                    scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-                ),
-                out_shape=jax.ShapeDtypeStruct((b, h, lq, d), jnp.float32),
-                compiler_params=pltpu.CompilerParams(
-                    dimension_semantics=(
-                        "parallel",
-                        "parallel",
-                        "parallel",
-                        "arbitrary",
-                    )
-                ),
-                interpret=self.interpret,
-                name="ringeqx_tpu_flash_backward_dq",
-            )(*tile_plan(run), *inputs, *leaves)
-
-            # Grid (batch, kv head, key tile, query head in the group, query tile).
-            gq_map = q_index_map(g, nq, nk)
-
-            def q_rec_map(b, j, t, gi, i, *prefetch):
-                return b, 0, gq_map(b, j, t, gi, i, *prefetch)[2], 0
-
-            def k_map(b, j, t, gi, i, *_):
-                return b, j, t, 0
-
-            dk, dv = pl.pallas_call(
-                functools.partial(_dkv_kernel, **operands, groups=g),
-                grid_spec=pltpu.PrefetchScalarGridSpec(
-                    num_scalar_prefetch=2,
-                    grid=(b, kh, nk, g, nq),
-                    in_specs=[
-                        pl.BlockSpec((None, None, bq, d), gq_map),
-                        pl.BlockSpec((None, None, bk, d), k_map),
-                        pl.BlockSpec((None, None, bk, d), k_map),
-                        pl.BlockSpec((None, None, bq, d), gq_map),
-                        pl.BlockSpec((None, None, bq, _LANES), gq_map),
-                        pl.BlockSpec((None, None, bq, _LANES), gq_map),
-                        pl.BlockSpec((None, 4, bq, _LANES), q_rec_map),
-                        pl.BlockSpec(
-                            (None, 4, _SUBLANES, bk),
-                            lambda b, j, t, gi, i, *_: (b, 0, 0, t),
-                        ),
-                        *whole,
-                        *tiles.head_specs(
-                            mod_leaves, lambda b, j, t, gi, i, *_: j * g + gi
-                        ),
-                    ],
-                    out_specs=[
-                        pl.BlockSpec((None, None, bk, d), k_map),
-                        pl.BlockSpec((None, None, bk, d), k_map),
-                    ],
-                    scratch_shapes=[
-                        pltpu.VMEM((bk, d), jnp.float32),
-                        pltpu.VMEM((bk, d), jnp.float32),
-                    ],
-                ),
-                out_shape=[jax.ShapeDtypeStruct((b, kh, lk, d), jnp.float32)] * 2,
-                compiler_params=pltpu.CompilerParams(
-                    dimension_semantics=(
-                        "parallel",
-                        "parallel",
-                        "parallel",
-                        "arbitrary",
-                        "arbitrary",
-                    )
-                ),
-                interpret=self.interpret,
-                name="ringeqx_tpu_flash_backward_dkv",
-            )(*tile_plan(jnp.swapaxes(run, 1, 2)), *inputs, *leaves)
-            return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len]
+            dq = _dq_call(t, ops, tile_plan(run), inputs, self.interpret)
+            plan_k = tile_plan(jnp.swapaxes(run, 1, 2))
+            dk, dv = _dkv_call(t, ops, plan_k, inputs, self.interpret)
+            return common.trim_grads(t, dq, dk, dv)

@@ -1,0 +1,120 @@
+"""What the Triton and Mosaic kernels do alike around their `pallas_call`s: the sizes of
+a call, the mask and modifier as kernel operands, padding the inputs to whole tiles and
+trimming the outputs back. The tile maths inside the kernels is in `_pallas_tiles.py`."""
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .._masks import AbstractMask
+from .._score_mods import AbstractScoreMod
+from .._tokens import TokenInfo
+from . import _pallas_tiles as tiles
+
+
+class Tiling(NamedTuple):
+    """Static sizes of one kernel call; the sequences are padded to whole tiles."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (GQA)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_padded(self) -> int:
+        return tiles.round_up(self.q_len, self.block_q)
+
+    @property
+    def kv_padded(self) -> int:
+        return tiles.round_up(self.kv_len, self.block_kv)
+
+    @property
+    def num_q(self) -> int:
+        return self.q_padded // self.block_q
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_padded // self.block_kv
+
+
+def tiling(q: Array, k: Array, block_q: int, block_kv: int) -> Tiling:
+    """The sizes of a call on `q [batch, heads, q_len, d]` and `k [batch, kv_heads,
+    kv_len, d]` with the tiles the kernel chose for these lengths."""
+    batch, heads, q_len, head_dim = q.shape
+    return Tiling(batch, heads, k.shape[1], head_dim, q_len, k.shape[2], block_q, block_kv)
+
+
+class Operands(NamedTuple):
+    """The mask and the score modifier as kernel inputs (`tiles.mask_operands`,
+    `tiles.head_operands`), and the keyword arguments every kernel body takes to
+    rebuild them."""
+
+    mask_leaves: list[Array]
+    mod_leaves: list[Array]
+    kernel_args: dict[str, Any]
+
+    @property
+    def leaves(self) -> tuple[Array, ...]:
+        return (*self.mask_leaves, *self.mod_leaves)
+
+
+def operands(
+    mask: AbstractMask, score_mod: AbstractScoreMod | None, heads: int, scale: float
+) -> Operands:
+    mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+    mod_leaves, rebuild_mod = tiles.head_operands(score_mod, heads)
+    kernel_args = dict(
+        rebuild_mask=rebuild_mask,
+        rebuild_mod=rebuild_mod,
+        num_mask=len(mask_leaves),
+        scale=scale,
+    )
+    return Operands(mask_leaves, mod_leaves, kernel_args)
+
+
+def tile_table(
+    t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo
+) -> Array:
+    """`tiles.tile_table` for the tiles of `t`: which (query tile, key tile) pairs run."""
+    return tiles.tile_table(
+        mask, q_info, kv_info, t.q_padded, t.block_q, t.kv_padded, t.block_kv
+    )
+
+
+def pad_qkv(t: Tiling, q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+    return (
+        tiles.pad_axis(q, 2, t.q_padded),
+        tiles.pad_axis(k, 2, t.kv_padded),
+        tiles.pad_axis(v, 2, t.kv_padded),
+    )
+
+
+def pad_rows(
+    t: Tiling, q: Array, d_out: Array, lse: Array, delta: Array
+) -> tuple[Array, Array, Array]:
+    """The backward's query-side inputs besides `q`, padded to whole query tiles: `dO`
+    in `q`'s dtype, `lse` and `delta`. A row that attended to nothing has lse -inf; the
+    kernels take 0 there (see `tiles.tile_grads`)."""
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return (
+        tiles.pad_axis(d_out.astype(q.dtype), 2, t.q_padded),
+        tiles.pad_axis(lse, 2, t.q_padded),
+        tiles.pad_axis(delta, 2, t.q_padded),
+    )
+
+
+def trim_grads(
+    t: Tiling, dq: Array, dk: Array, dv: Array
+) -> tuple[Array, Array, Array]:
+    """The gradients without the padding rows."""
+    return dq[:, :, : t.q_len], dk[:, :, : t.kv_len], dv[:, :, : t.kv_len]
