@@ -261,37 +261,18 @@ def memory_only(mesh, kernel, args) -> int:
     return 0
 
 
-def main(args) -> int:
-    num_devices = len(jax.devices())
-    if num_devices < args.devices:
-        raise SystemExit(
-            f"Need {args.devices} devices; JAX sees {num_devices} (XLA_FLAGS was set "
-            "before this script?)."
-        )
-    devices = np.asarray(jax.devices()[: args.devices])
-    mesh = jax.sharding.Mesh(devices, ("sequence",), axis_types=(AxisType.Auto,))
-    kernel_kwargs = {}
-    if args.block_q is not None:
-        kernel_kwargs["block_q"] = args.block_q
-    if args.block_kv is not None:
-        kernel_kwargs["block_kv"] = args.block_kv
-    kernel = rx.XlaKernel(**kernel_kwargs)
-    if args.memory_only:
-        return memory_only(mesh, kernel, args)
-    n, h, d, reps = args.seq_len, args.heads, args.head_dim, args.reps
-    platform = devices.flat[0].platform
-    # ringattention needs chunks that divide the per-device length.
-    chunk = min(args.chunk, n // args.devices)
+def _time(compiled_fwd, compiled_both, arrays, reps: int) -> dict[str, float]:
+    return dict(
+        fwd=median_seconds(compiled_fwd, *arrays[:3], repeats=reps),
+        both=median_seconds(compiled_both, *arrays, repeats=reps),
+        temp=temp_mib(compiled_both),
+    )
 
-    log("numerical check ...")
-    report = check(mesh, kernel, args)
 
-    log("matmul rate ...")
-    mm_rate = matmul_rate(reps)
-
-    seq = NamedSharding(mesh, PartitionSpec(None, "sequence"))
-    q, k, v, d_out = inputs(jax.random.key(0), n, h, d, seq)
-    full_flops = 4.0 * n * n * h * d
+def _time_all(mesh, kernel, args, chunk: int, arrays) -> dict:
+    """`{(implementation, mask): {fwd, both, temp}}` for ringeqx, ringattention and (unless
+    skipped) dense attention on one device."""
+    n, reps = args.seq_len, args.reps
     rows = {}
     for causal in (False, True):
         mask = "causal" if causal else "full"
@@ -301,73 +282,52 @@ def main(args) -> int:
         ]
         for name, fn in candidates:
             log(f"{name} {mask} ...")
-            fwd = compile_(fn, q, k, v, mesh=mesh)
-            both = compile_(forward_backward(fn), q, k, v, d_out, mesh=mesh)
-            rows[name, mask] = dict(
-                fwd=median_seconds(fwd, q, k, v, repeats=reps),
-                both=median_seconds(both, q, k, v, d_out, repeats=reps),
-                temp=temp_mib(both),
-            )
+            fwd = compile_(fn, *arrays[:3], mesh=mesh)
+            both = compile_(forward_backward(fn), *arrays, mesh=mesh)
+            rows[name, mask] = _time(fwd, both, arrays, reps)
             del fwd, both
         if not args.skip_dense:
             log(f"dense {mask} ...")
             one = jax.devices()[0]
-            dq, dk, dv, ddo = (jax.device_put(x, one) for x in (q, k, v, d_out))
-            fwd = compile_(dense_fn(causal), dq, dk, dv)
-            both = compile_(forward_backward(dense_fn(causal)), dq, dk, dv, ddo)
-            rows["dense (1 device)", mask] = dict(
-                fwd=median_seconds(fwd, dq, dk, dv, repeats=reps),
-                both=median_seconds(both, dq, dk, dv, ddo, repeats=reps),
-                temp=temp_mib(both),
-            )
-            del fwd, both, dq, dk, dv, ddo
+            local = tuple(jax.device_put(x, one) for x in arrays)
+            fwd = compile_(dense_fn(causal), *local[:3])
+            both = compile_(forward_backward(dense_fn(causal)), *local)
+            rows["dense (1 device)", mask] = _time(fwd, both, local, reps)
+            del fwd, both, local
+    return rows
 
-    temp_2n = float("nan")
-    if not args.skip_2n:
-        log("ringeqx 2N memory ...")
-        q2, k2, v2, d2 = (
-            jax.ShapeDtypeStruct((1, 2 * n, h, d), jnp.float32, sharding=seq)
-            for _ in range(4)
-        )
-        both_2n = compile_(
-            forward_backward(ringeqx_fn(mesh, False, 2 * n, kernel)),
-            q2,
-            k2,
-            v2,
-            d2,
-            mesh=mesh,
-        )
-        temp_2n = temp_mib(both_2n)
 
-    blocks = f"block_q={kernel.block_q}, block_kv={kernel.block_kv}"
-    report = [
-        f"## ring_vs_dense: N={n}, heads={h}, head_dim={d}, float32, batch 1, "
-        f"{args.devices} {platform} devices",
-        "",
-        f"JAX {jax.__version__}, ringeqx {rx.__version__} (XlaKernel {blocks}), "
-        f"ringattention 0.1.2 (chunks {chunk}), median of {reps} after a warm-up; "
-        f"{os.cpu_count()} CPU cores.",
-        "",
-        *report,
-        "",
+def _temp_at_2n(mesh, kernel, args, seq) -> float:
+    """ringeqx's temp MiB per device, full mask fwd+bwd, at twice the tokens (compiled
+    only); NaN when skipped."""
+    if args.skip_2n:
+        return float("nan")
+    log("ringeqx 2N memory ...")
+    n, h, d = args.seq_len, args.heads, args.head_dim
+    structs = [
+        jax.ShapeDtypeStruct((1, 2 * n, h, d), jnp.float32, sharding=seq) for _ in range(4)
+    ]
+    fn = forward_backward(ringeqx_fn(mesh, False, 2 * n, kernel))
+    return temp_mib(compile_(fn, *structs, mesh=mesh))
+
+
+def _results_table(rows: dict, full_flops: float) -> list[str]:
+    lines = [
         "| implementation | mask | forward s | fwd+bwd s | model GFLOP "
         "| forward GFLOP/s | temp MiB/device (fwd+bwd) |",
         "|---|---|---|---|---|---|---|",
     ]
     for (name, mask), r in rows.items():
         flops = full_flops / (2 if mask == "causal" else 1)
-        report.append(
+        lines.append(
             f"| {name} | {mask} | {r['fwd']:.3f} | {r['both']:.3f} "
             f"| {flops / 1e9:.1f} | {flops / r['fwd'] / 1e9:.1f} | {r['temp']:.1f} |"
         )
-    report += [
-        "",
-        f"4096 x 4096 float32 matmul on one device: {mm_rate / 1e9:.1f} GFLOP/s.",
-        f"ringeqx temp memory per device, full mask fwd+bwd: N={n}: "
-        f"{rows['ringeqx', 'full']['temp']:.1f} MiB, 2N={2 * n}: {temp_2n:.1f} MiB.",
-        "",
-    ]
+    return lines
 
+
+def _targets_table(rows: dict, temp_2n: float, full_flops: float, mm_rate: float):
+    """The target ratios (ringeqx against ringattention and itself), met or missed."""
     ours_full, ours_causal = rows["ringeqx", "full"], rows["ringeqx", "causal"]
     theirs_full, theirs_causal = (
         rows["ringattention", "full"],
@@ -406,12 +366,68 @@ def main(args) -> int:
             0.6,
         ),
     ]
-    report += ["| target | value | goal | result |", "|---|---|---|---|"]
+    lines = ["| target | value | goal | result |", "|---|---|---|---|"]
     for name, value, op, goal in targets:
         met = value <= goal if op == "<=" else value >= goal
-        report.append(
+        lines.append(
             f"| {name} | {value:.3f} | {op} {goal} | {'PASS' if met else 'MISS'} |"
         )
+    return lines
+
+
+def main(args) -> int:
+    num_devices = len(jax.devices())
+    if num_devices < args.devices:
+        raise SystemExit(
+            f"Need {args.devices} devices; JAX sees {num_devices} (XLA_FLAGS was set "
+            "before this script?)."
+        )
+    devices = np.asarray(jax.devices()[: args.devices])
+    mesh = jax.sharding.Mesh(devices, ("sequence",), axis_types=(AxisType.Auto,))
+    kernel_kwargs = {}
+    if args.block_q is not None:
+        kernel_kwargs["block_q"] = args.block_q
+    if args.block_kv is not None:
+        kernel_kwargs["block_kv"] = args.block_kv
+    kernel = rx.XlaKernel(**kernel_kwargs)
+    if args.memory_only:
+        return memory_only(mesh, kernel, args)
+    n, h, d, reps = args.seq_len, args.heads, args.head_dim, args.reps
+    platform = devices.flat[0].platform
+    # ringattention needs chunks that divide the per-device length.
+    chunk = min(args.chunk, n // args.devices)
+
+    log("numerical check ...")
+    checked = check(mesh, kernel, args)
+
+    log("matmul rate ...")
+    mm_rate = matmul_rate(reps)
+
+    seq = NamedSharding(mesh, PartitionSpec(None, "sequence"))
+    arrays = inputs(jax.random.key(0), n, h, d, seq)
+    full_flops = 4.0 * n * n * h * d
+    rows = _time_all(mesh, kernel, args, chunk, arrays)
+    temp_2n = _temp_at_2n(mesh, kernel, args, seq)
+
+    blocks = f"block_q={kernel.block_q}, block_kv={kernel.block_kv}"
+    report = [
+        f"## ring_vs_dense: N={n}, heads={h}, head_dim={d}, float32, batch 1, "
+        f"{args.devices} {platform} devices",
+        "",
+        f"JAX {jax.__version__}, ringeqx {rx.__version__} (XlaKernel {blocks}), "
+        f"ringattention 0.1.2 (chunks {chunk}), median of {reps} after a warm-up; "
+        f"{os.cpu_count()} CPU cores.",
+        "",
+        *checked,
+        "",
+        *_results_table(rows, full_flops),
+        "",
+        f"4096 x 4096 float32 matmul on one device: {mm_rate / 1e9:.1f} GFLOP/s.",
+        f"ringeqx temp memory per device, full mask fwd+bwd: N={n}: "
+        f"{rows['ringeqx', 'full']['temp']:.1f} MiB, 2N={2 * n}: {temp_2n:.1f} MiB.",
+        "",
+        *_targets_table(rows, temp_2n, full_flops, mm_rate),
+    ]
     print("\n".join(report), flush=True)
     return 0
 

@@ -157,24 +157,8 @@ def _long_functions() -> list[tuple[str, int]]:
     return long
 
 
-# Functions still over the limit, with their length today (issue 10 asks for none; these
-# are yet to be split along their seams). The list may only shrink and its entries only get
-# shorter: a new long function, or a listed one that grows, fails.
-_NOT_YET_SPLIT = {
-    "ringeqx._cli:demo": 95,
-    "ringeqx._cli:_parser": 92,
-    "ringeqx._kernels._select:select_kernel": 87,
-    "ringeqx._kernels._tune:tune_block_sizes": 98,
-    "ringeqx._kernels._xla:backward": 91,
-}
-
-
 def test_no_long_functions():
     # A function longer than a screen is split along its seams. Its docstring does not count:
     # it is the API page's text (`ring_attention`'s is 68 lines), not logic to hold in one's head.
-    grown = [
-        (name, lines)
-        for name, lines in _long_functions()
-        if lines > _NOT_YET_SPLIT.get(name.split(" (")[0], MAX_LINES)
-    ]
-    assert not grown, f"functions over {MAX_LINES} lines (or longer than listed): {grown}"
+    long = _long_functions()
+    assert not long, f"functions over {MAX_LINES} lines: {long}"

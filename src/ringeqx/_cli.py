@@ -190,6 +190,42 @@ def _max_error(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
+def _check_small(args, mesh, seq_sharding, ring, dense, heads_dims):
+    """Step 6 of the demo: the ring against `reference_attention` on `--check-len`
+    tokens. Returns `(output error, gradient error, tokens)`."""
+    import jax
+
+    small = min(args.check_len, args.seq_len)
+    _step(6, 6, f"checking against reference_attention at {small} tokens")
+    small_arrays = _qkv(jax.random.key(args.seed + 1), 1, small, *heads_dims)
+    small_global = (
+        tuple(jax.device_put(x, seq_sharding) for x in small_arrays)
+        if small % mesh.shape["sequence"] == 0
+        else small_arrays
+    )
+    with jax.set_mesh(mesh):
+        got_out, got_grads = jax.jit(_forward_backward(ring))(*small_global)
+    want_out, want_grads = jax.jit(_forward_backward(dense))(*small_arrays)
+    out_error = _max_error(got_out, want_out)
+    grad_error = max(_max_error(g, w) for g, w in zip(got_grads, want_grads))
+    return out_error, grad_error, small
+
+
+def _say_memory(memory, at_twice, num_devices: int) -> None:
+    """The demo's memory lines: per device, and on twice the devices."""
+    if memory is None:
+        _say("  memory per device                     n/a (memory_analysis unavailable)")
+    else:
+        arg_b, out_b, temp_b = memory
+        _say(
+            f"  memory per device                {_mib(sum(memory)):>12}  (arguments "
+            f"{_mib(arg_b)} + outputs {_mib(out_b)} + temp {_mib(temp_b)})"
+        )
+    if isinstance(at_twice, int) and memory is not None:
+        at_twice = f"{_mib(at_twice):>12}  ({at_twice / sum(memory):.2f}x)"
+    _say(f"  ... at 2x the devices ({2 * num_devices:>3})       {at_twice}")
+
+
 def demo(args: argparse.Namespace) -> int:
     """Causal GQA ring attention, forward and backward, on a ring of (fake) devices."""
     total = 6
@@ -248,20 +284,9 @@ def demo(args: argparse.Namespace) -> int:
     _step(5, total, f"compiling the same program for {2 * num_devices} devices (memory only)")
     at_twice = _memory_at_twice(args, num_devices, ring)
 
-    small = min(args.check_len, args.seq_len)
-    _step(6, total, f"checking against reference_attention at {small} tokens")
-    small_arrays = _qkv(jax.random.key(args.seed + 1), 1, small, *shape[2:])
-    small_global = (
-        tuple(jax.device_put(x, seq_sharding) for x in small_arrays)
-        if small % num_devices == 0
-        else small_arrays
+    out_error, grad_error, small = _check_small(
+        args, mesh, seq_sharding, ring, dense, shape[2:]
     )
-    with jax.set_mesh(mesh):
-        got_out, got_grads = jax.jit(_forward_backward(ring))(*small_global)
-    want_out, want_grads = jax.jit(_forward_backward(dense))(*small_arrays)
-    out_error = _max_error(got_out, want_out)
-    grad_error = max(_max_error(g, w) for g, w in zip(got_grads, want_grads))
-
     _say("")
     _say(
         f"causal GQA attention, {args.seq_len} tokens, {args.heads} query / "
@@ -269,23 +294,12 @@ def demo(args: argparse.Namespace) -> int:
     )
     _say(f"  compile                          {compile_s:8.2f} s")
     _say(f"  forward + backward               {run_s:8.2f} s")
-    if memory is None:
-        _say("  memory per device                     n/a (memory_analysis unavailable)")
-    else:
-        arg_b, out_b, temp_b = memory
-        _say(
-            f"  memory per device                {_mib(sum(memory)):>12}  (arguments "
-            f"{_mib(arg_b)} + outputs {_mib(out_b)} + temp {_mib(temp_b)})"
-        )
-    if isinstance(at_twice, int) and memory is not None:
-        at_twice = f"{_mib(at_twice):>12}  ({at_twice / sum(memory):.2f}x)"
-    _say(f"  ... at 2x the devices ({2 * num_devices:>3})       {at_twice}")
+    _say_memory(memory, at_twice, num_devices)
     _say(f"  max |out - reference|            {out_error:12.2e}  ({small} tokens)")
     _say(f"  max |grad - reference|           {grad_error:12.2e}  ({small} tokens)")
     ok = out_error < 1e-3 and grad_error < 1e-2
     _say("  OK" if ok else "  MISMATCH against the reference")
     return 0 if ok else 1
-
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -409,40 +423,27 @@ def _positive(text: str) -> int:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ringeqx",
-        description="Exact ring attention for JAX. On CPU, the commands fake --devices "
-        "devices through XLA_FLAGS (unless XLA_FLAGS already sets a device count).",
+def _common(sub: argparse.ArgumentParser, seq_len: int, heads: int, kv_heads: int):
+    """The problem and the ring, which every command takes."""
+    sub.add_argument("--seq-len", type=_positive, default=seq_len, help="tokens")
+    sub.add_argument("--heads", type=_positive, default=heads, help="query heads")
+    sub.add_argument(
+        "--kv-heads", type=_positive, default=kv_heads, help="key/value heads"
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def common(sub: argparse.ArgumentParser, seq_len: int, heads: int, kv_heads: int):
-        sub.add_argument("--seq-len", type=_positive, default=seq_len, help="tokens")
-        sub.add_argument("--heads", type=_positive, default=heads, help="query heads")
-        sub.add_argument(
-            "--kv-heads", type=_positive, default=kv_heads, help="key/value heads"
-        )
-        sub.add_argument("--head-dim", type=_positive, default=64)
-        sub.add_argument(
-            "--devices", type=_positive, default=8, help="ring size (fake CPU devices)"
-        )
-        sub.add_argument(
-            "--device-type",
-            choices=("auto", "cpu", "gpu", "tpu"),
-            default="auto",
-            help="which devices; ring_attention picks its kernel for them",
-        )
-
-    demo_parser = commands.add_parser(
-        "demo",
-        help="causal GQA ring attention, forward + backward, checked against dense",
-        description="Causal GQA ring attention, forward and backward, on a ring of "
-        "(fake) devices: prints compile and run time, memory per device (and what it "
-        "becomes on twice the devices), and the error against dense attention on a "
-        "smaller copy of the problem.",
+    sub.add_argument("--head-dim", type=_positive, default=64)
+    sub.add_argument(
+        "--devices", type=_positive, default=8, help="ring size (fake CPU devices)"
     )
-    common(demo_parser, seq_len=16384, heads=8, kv_heads=2)
+    sub.add_argument(
+        "--device-type",
+        choices=("auto", "cpu", "gpu", "tpu"),
+        default="auto",
+        help="which devices; ring_attention picks its kernel for them",
+    )
+
+
+def _demo_arguments(demo_parser: argparse.ArgumentParser) -> None:
+    _common(demo_parser, seq_len=16384, heads=8, kv_heads=2)
     demo_parser.add_argument(
         "--check-len", type=_positive, default=2048, help="tokens for the dense check"
     )
@@ -464,29 +465,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo_parser.set_defaults(run=demo)
 
-    bench_parser = commands.add_parser(
-        "bench",
-        help="time ringeqx forward and forward+backward at one size",
-        description="Time ringeqx (full and causal masks) at one size. The comparison "
-        "with the ringattention package and dense attention is "
-        "benchmarks/ring_vs_dense.py.",
-    )
-    common(bench_parser, seq_len=8192, heads=4, kv_heads=4)
+
+def _bench_arguments(bench_parser: argparse.ArgumentParser) -> None:
+    _common(bench_parser, seq_len=8192, heads=4, kv_heads=4)
     bench_parser.add_argument("--reps", type=_positive, default=3)
     bench_parser.add_argument("--block-q", type=_positive, default=None)
     bench_parser.add_argument("--block-kv", type=_positive, default=None)
     bench_parser.set_defaults(run=bench)
 
-    report_parser = commands.add_parser(
-        "report",
-        help="what ring attention communicates: collectives from the compiled HLO, the "
-        "analytic model and hardware profiles",
-        description="Compile one ring attention call (no arrays are allocated) and list "
-        "its collectives (count per call, dtype, bytes per device, mesh axis), the "
-        "ring's bytes and FLOPs per step, and per hardware profile whether the transfer "
-        "hides behind compute and the smallest shard that hides it.",
-    )
-    common(report_parser, seq_len=8192, heads=8, kv_heads=2)
+
+def _report_arguments(report_parser: argparse.ArgumentParser) -> None:
+    _common(report_parser, seq_len=8192, heads=8, kv_heads=2)
     report_parser.add_argument("--mask", choices=("causal", "full"), default="causal")
     report_parser.add_argument("--dtype", default="bfloat16", help="q/k/v dtype")
     report_parser.add_argument("--compression", default=None, help="K/V wire dtype")
@@ -500,6 +489,45 @@ def _parser() -> argparse.ArgumentParser:
         "--forward-only", action="store_true", help="the forward pass only"
     )
     report_parser.set_defaults(run=report)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringeqx",
+        description="Exact ring attention for JAX. On CPU, the commands fake --devices "
+        "devices through XLA_FLAGS (unless XLA_FLAGS already sets a device count).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _demo_arguments(
+        commands.add_parser(
+            "demo",
+            help="causal GQA ring attention, forward + backward, checked against dense",
+            description="Causal GQA ring attention, forward and backward, on a ring of "
+            "(fake) devices: prints compile and run time, memory per device (and what "
+            "it becomes on twice the devices), and the error against dense attention "
+            "on a smaller copy of the problem.",
+        )
+    )
+    _bench_arguments(
+        commands.add_parser(
+            "bench",
+            help="time ringeqx forward and forward+backward at one size",
+            description="Time ringeqx (full and causal masks) at one size. The "
+            "comparison with the ringattention package and dense attention is "
+            "benchmarks/ring_vs_dense.py.",
+        )
+    )
+    _report_arguments(
+        commands.add_parser(
+            "report",
+            help="what ring attention communicates: collectives from the compiled HLO, "
+            "the analytic model and hardware profiles",
+            description="Compile one ring attention call (no arrays are allocated) and "
+            "list its collectives (count per call, dtype, bytes per device, mesh axis), "
+            "the ring's bytes and FLOPs per step, and per hardware profile whether the "
+            "transfer hides behind compute and the smallest shard that hides it.",
+        )
+    )
     return parser
 
 

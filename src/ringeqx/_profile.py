@@ -14,9 +14,7 @@ COLLECTIVES = (
     "reduce-scatter",
 )
 
-_KIND = re.compile(
-    r"\s(collective-permute|all-to-all|all-gather|all-reduce|reduce-scatter)(-start)?\("
-)
+_KIND = re.compile(rf"\s({'|'.join(COLLECTIVES)})(-start)?\(")
 # Every HLO array type: f32, bf16, s16, u64, pred, f8e4m3fn, f8e5m2, c64, ...
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+)?[a-z]*)\[([\d,]*)\]")
 
@@ -53,10 +51,8 @@ class HloCollective(NamedTuple):
     lhs: str
 
 
-def parse_collectives(hlo: str) -> list[HloCollective]:
-    """Every collective op of a compiled program's HLO text, each with how many times it
-    runs per call: XLA removes loops of one trip, so ops in a while body count once per
-    iteration of every loop around them (`known_trip_count` in the backend config)."""
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    """`({computation: its instruction lines}, entry computation)`."""
     comps: dict[str, list[str]] = {}
     entry, cur = None, None
     for line in hlo.splitlines():
@@ -67,22 +63,32 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
             entry = cur if head.group(1) else entry
         elif cur is not None and line.startswith(" "):
             comps[cur].append(line)
-    calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
-    for name, lines in comps.items():
-        for line in lines:
-            trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            refs = re.findall(
-                r"(?:condition|body|calls|to_apply|true_computation|false_computation)"
-                r"=%?([\w.\-]+)",
-                line,
-            )
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                refs += [r.strip().lstrip("%") for r in group.split(",")]
-            for ref in refs:
-                n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
-                calls[name].append((ref, n))
-    # (times, trips) per computation, walking from the entry.
+    return comps, entry
+
+
+def _calls(lines: list[str]) -> list[tuple[str, int]]:
+    """`(computation, trips)` for every computation these lines call: a while body's
+    `known_trip_count`, 1 for everything else."""
+    calls = []
+    for line in lines:
+        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        refs = re.findall(
+            r"(?:condition|body|calls|to_apply|true_computation|false_computation)"
+            r"=%?([\w.\-]+)",
+            line,
+        )
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            refs += [r.strip().lstrip("%") for r in group.split(",")]
+        for ref in refs:
+            n = int(trip.group(1)) if trip and body and ref == body.group(1) else 1
+            calls.append((ref, n))
+    return calls
+
+
+def _executions(comps: dict[str, list[str]], entry: str | None) -> dict[str, list]:
+    """`[(times, trips, loop), ...]` per computation, one per path from the entry."""
+    calls = {name: _calls(lines) for name, lines in comps.items()}
     seen: dict[str, list] = {name: [] for name in comps}
     stack = [(entry, 1, (), None)]
     while stack:
@@ -94,21 +100,37 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
             (ref, times * n, trips + (n,), ref) if n > 1 else (ref, times, trips, loop)
             for ref, n in calls.get(name, [])
         ]
+    return seen
+
+
+def _op(line: str):
+    """`(kind, arrays, nbytes, attributes, lhs)` of an instruction line that is a
+    collective (see `HloCollective`), else None."""
+    op = _KIND.search(line)
+    if op is None:
+        return None
+    lhs, rhs = line[: op.start()], line[op.end() :]
+    arrays = tuple(
+        (dt, tuple(int(d) for d in dims.split(",") if d))
+        for dt, dims in _ARRAY.findall(lhs)
+    )
+    sizes = [dtype_bytes(dt) * math.prod(shape) for dt, shape in arrays]
+    nbytes = int(max(sizes) if op.group(2) else sum(sizes)) if sizes else 0
+    return op.group(1), arrays, nbytes, rhs, lhs
+
+
+def parse_collectives(hlo: str) -> list[HloCollective]:
+    """Every collective op of a compiled program's HLO text, each with how many times it
+    runs per call: XLA removes loops of one trip, so ops in a while body count once per
+    iteration of every loop around them (`known_trip_count` in the backend config)."""
+    comps, entry = _computations(hlo)
+    seen = _executions(comps, entry)
     out = []
     for name, lines in comps.items():
-        for line in lines:
-            op = _KIND.search(line)
-            if op is None:
-                continue
-            lhs, rhs = line[: op.start()], line[op.end() :]
-            arrays = tuple(
-                (dt, tuple(int(d) for d in dims.split(",") if d))
-                for dt, dims in _ARRAY.findall(lhs)
-            )
-            sizes = [dtype_bytes(dt) * math.prod(shape) for dt, shape in arrays]
-            nbytes = int(max(sizes) if op.group(2) else sum(sizes)) if sizes else 0
+        for found in filter(None, map(_op, lines)):
+            kind, arrays, nbytes, rhs, lhs = found
             for times, trips, loop in seen[name]:
-                out.append(HloCollective(op.group(1), arrays, nbytes, times, trips, loop, rhs, lhs))
+                out.append(HloCollective(kind, arrays, nbytes, times, trips, loop, rhs, lhs))
     return out
 
 
@@ -131,18 +153,14 @@ def permute_stats(hlo: str, shape: str = "") -> tuple[int, int, list[int]]:
     return ops, nbytes, list(loops.values())
 
 
-_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
-
-
 def collectives(hlo: str) -> list[tuple[str, str]]:
-    """Every collective op in a compiled program's HLO text, as `(kind, result)`: the kind
-    (`"all-gather"`, `"all-reduce"`, `"all-to-all"`, `"reduce-scatter"`,
-    `"collective-permute"`; async `-start` forms count once, `-done` not at all) and the
-    result's type text (e.g. `"f32[1,128,4,64]"`), to tell activations from parameters."""
-    found = []
-    kinds = "|".join(_COLLECTIVES)
-    for line in hlo.splitlines():
-        m = re.search(rf"=\s*(.*?)\s({kinds})(?:-start)?\(", line)
-        if m:
-            found.append((m.group(2), m.group(1)))
-    return found
+    """Every collective op in a compiled program's HLO text, once each (no execution
+    counts: see `parse_collectives`), as `(kind, result)`: the kind (one of
+    `COLLECTIVES`; async `-start` forms count once, `-done` not at all) and the result's
+    type text (e.g. `"f32[1,128,4,64]{3,2,1,0}"`), to tell activations from parameters."""
+    comps, _ = _computations(hlo)
+    return [
+        (found[0], found[4].split("=", 1)[1].strip())
+        for lines in comps.values()
+        for found in filter(None, map(_op, lines))
+    ]

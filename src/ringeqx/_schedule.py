@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import KernelName, select_kernel
+from ._kernels._tiling import tile_info
 from ._layout import Layout
 from ._masks import AbstractMask, block_rule
 from ._steps import ring_window
@@ -77,23 +78,6 @@ class Schedule(eqx.Module):
         return jnp.sum(self.tiles_run)
 
 
-def _tiles(info: TokenInfo, num: int, block: int) -> TokenInfo:
-    """`[shards, batch, capacity]` records -> `[shards, num, batch, block]`, padded
-    slots invalid (as the kernel pads)."""
-
-    def tile(x, fill):
-        extra = num * block - x.shape[-1]
-        x = jnp.pad(x, ((0, 0), (0, 0), (0, extra)), constant_values=fill)
-        return jnp.swapaxes(x.reshape(x.shape[:2] + (num, block)), 1, 2)
-
-    return TokenInfo(
-        tile(info.positions, 0),
-        tile(info.segments, -1),
-        tile(info.spans, -1),
-        tile(info.valid, False),
-    )
-
-
 def schedule(
     layout: Layout,
     mask: AbstractMask,
@@ -146,8 +130,8 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
     bq, bk = min(block_q, capacity), min(block_kv, capacity)
     nq, nk = math.ceil(capacity / bq), math.ceil(capacity / bk)
     over_tile = jax.vmap(jax.vmap(lambda i: BlockSummary.of(i)))
-    q_sum = over_tile(_tiles(info, nq, bq))  # [shards, nq]
-    k_sum = over_tile(_tiles(info, nk, bk))  # [shards, nk]
+    q_sum = over_tile(tile_info(info, nq, bq, axis=1))  # [shards, nq]
+    k_sum = over_tile(tile_info(info, nk, bk, axis=1))  # [shards, nk]
 
     def flat(s: BlockSummary) -> BlockSummary:
         return jax.tree.map(lambda x: x.reshape(-1), s)

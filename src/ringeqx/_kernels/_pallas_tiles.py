@@ -4,7 +4,9 @@ A Pallas program sees one `[block_q, head_dim]` tile of one query head and walks
 tiles. Everything here acts on values already loaded from refs, so the Triton kernel
 (`_pallas_gpu.py`) and the Mosaic kernel (`_pallas_tpu.py`) differ only in how they lay
 out the grid, load tiles and keep their accumulators. The dense reference for all of it
-is `XlaKernel` (`_xla.py`), which the contract tests compare against.
+is `XlaKernel` (`_xla.py`), which the contract tests compare against. Padding, token
+record tiling and the online softmax, which `XlaKernel` and `schedule` share, live in
+`_tiling.py` (no Pallas import) and are re-exported here.
 """
 
 import functools
@@ -23,39 +25,31 @@ from jaxtyping import Array, Int
 from .._masks import AbstractMask, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
+from ._tiling import (
+    RECORD_FIELDS as RECORD_FIELDS,
+    Softmax as Softmax,
+    matmul as matmul,
+    pad_axis as pad_axis,
+    pad_info,
+    tile_info,
+)
 
-
-# Row order of the int32 token records that the kernels receive.
-RECORD_FIELDS = ("positions", "segments", "spans", "valid")
-_RECORD_FILL = (0, -1, -1, 0)
 
 # `(((1,), (1,)), ((), ()))`: contract the last axes of both, i.e. `a @ b.T`.
 _NT = (((1,), (1,)), ((), ()))
 # `a.T @ b`.
 _TN = (((0,), (0,)), ((), ()))
-_NN = (((1,), (0,)), ((), ()))
 
 
 def round_up(x: int, multiple: int) -> int:
     return multiple * math.ceil(x / multiple)
 
 
-def pad_axis(x: Array, axis: int, size: int, value: Any = 0) -> Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def records(info: TokenInfo, length: int) -> Int[Array, "batch 4 length"]:
     """Stack a `[batch, len]` TokenInfo into one int32 array `[batch, 4, length]`,
     padded with invalid slots (one kernel input instead of four)."""
-    rows = [
-        pad_axis(getattr(info, name).astype(jnp.int32), 1, length, fill)
-        for name, fill in zip(RECORD_FIELDS, _RECORD_FILL)
-    ]
+    padded = pad_info(info, length)
+    rows = [getattr(padded, name).astype(jnp.int32) for name in RECORD_FIELDS]
     return jnp.stack(rows, axis=1)
 
 
@@ -247,11 +241,7 @@ def tile_table(
     """
 
     def summaries(info, length, block):
-        rows = [
-            r.reshape(r.shape[0], length // block, block)
-            for r in jnp.unstack(records(info, length), axis=1)
-        ]
-        return BlockSummary.of(token_info(rows), axis=2)
+        return BlockSummary.of(tile_info(info, length // block, block, axis=1), axis=2)
 
     qs = jax.tree.map(lambda x: x[:, :, None], summaries(q_info, q_len, block_q))
     ks = jax.tree.map(lambda x: x[:, None, :], summaries(kv_info, kv_len, block_kv))
@@ -363,42 +353,6 @@ def logits(
     return s, lambda ds: vjp(ds)[0]
 
 
-class Softmax(eqx.Module):
-    """Online softmax state of a query tile: running max `m` and running sum `total`
-    (both `[bq, 1]`), and the unnormalised output `acc` (`[bq, d]`), all float32."""
-
-    m: Array
-    total: Array
-    acc: Array
-
-    @staticmethod
-    def init(block_q: int, head_dim: int) -> "Softmax":
-        zero = jnp.zeros((block_q, 1), jnp.float32)
-        return Softmax(
-            zero - jnp.inf, zero, jnp.zeros((block_q, head_dim), jnp.float32)
-        )
-
-    def update(self, s: Array, ok: Array, v: Array) -> "Softmax":
-        """Fold in a tile of logits `s` (`ok` marks attending pairs) and values `v`."""
-        s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(self.m, jnp.max(s, axis=1, keepdims=True))
-        # Rows that have seen nothing keep m = -inf; exponentiate against 0 instead.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(self.m - m_safe)
-        total = self.total * alpha + jnp.sum(p, axis=1, keepdims=True)
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32
-        )
-        return Softmax(m_new, total, self.acc * alpha + pv)
-
-    def finish(self) -> tuple[Array, Array]:
-        """`(out [bq, d], lse [bq, 1])`; rows that saw nothing give 0 and -inf."""
-        seen = self.total > 0
-        total = jnp.where(seen, self.total, 1.0)
-        return self.acc / total, jnp.where(seen, self.m + jnp.log(total), -jnp.inf)
-
-
 def tile_grads(
     q: Array,
     k: Array,
@@ -425,8 +379,3 @@ def tile_grads(
 def matmul_tn(a: Array, b: Array) -> Array:
     """`a.T @ b` in float32 (dK, dV from a tile of probabilities or logit gradients)."""
     return jax.lax.dot_general(a, b, _TN, preferred_element_type=jnp.float32)
-
-
-def matmul(a: Array, b: Array) -> Array:
-    """`a @ b` in float32."""
-    return jax.lax.dot_general(a, b, _NN, preferred_element_type=jnp.float32)

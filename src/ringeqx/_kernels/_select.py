@@ -78,6 +78,42 @@ def _pallas_device(name: str, needs: str, device: str, interpret: bool) -> None:
         )
 
 
+def _by_name(kernel: str, device: str, interpret: bool) -> AbstractAttentionKernel:
+    """The kernel named `kernel` with its default tiles on `device` (see
+    `select_kernel`)."""
+    match kernel:
+        case "auto":
+            match device:
+                case "cpu":
+                    return _by_name("xla", device, interpret)
+                case "gpu":
+                    return _by_name("pallas_gpu", device, interpret)
+                case "tpu":
+                    return _by_name("pallas_tpu", device, interpret)
+                case _:
+                    raise AssertionError(device)
+        case "xla":
+            block_q, block_kv = _BLOCKS["xla", device]
+            return XlaKernel(block_q=block_q, block_kv=block_kv)
+        case "pallas_gpu":
+            _pallas_device(kernel, "gpu", device, interpret)
+            block_q, block_kv = _BLOCKS["pallas_gpu", "gpu"]
+            return PallasGpuKernel(
+                block_q=block_q, block_kv=block_kv, interpret=interpret
+            )
+        case "pallas_tpu":
+            _pallas_device(kernel, "tpu", device, interpret)
+            block_q, block_kv = _BLOCKS["pallas_tpu", "tpu"]
+            return PallasTpuKernel(
+                block_q=block_q, block_kv=block_kv, interpret=interpret
+            )
+        case _:
+            raise ValueError(
+                "`kernel` must be 'auto', 'xla', 'pallas_gpu', 'pallas_tpu' or an "
+                f"AbstractAttentionKernel; got {kernel!r}."
+            )
+
+
 def select_kernel(
     kernel: KernelName | AbstractAttentionKernel = "auto",
     device_type: DeviceType = "auto",
@@ -134,34 +170,4 @@ def select_kernel(
         if device_type != "auto":
             _check_object(kernel, device)
         return kernel
-    match kernel:
-        case "auto":
-            match device:
-                case "cpu":
-                    return select_kernel("xla", device, interpret=interpret)
-                case "gpu":
-                    return select_kernel("pallas_gpu", device, interpret=interpret)
-                case "tpu":
-                    return select_kernel("pallas_tpu", device, interpret=interpret)
-                case _:
-                    raise AssertionError(device)
-        case "xla":
-            block_q, block_kv = _BLOCKS["xla", device]
-            return XlaKernel(block_q=block_q, block_kv=block_kv)
-        case "pallas_gpu":
-            _pallas_device(kernel, "gpu", device, interpret)
-            block_q, block_kv = _BLOCKS["pallas_gpu", "gpu"]
-            return PallasGpuKernel(
-                block_q=block_q, block_kv=block_kv, interpret=interpret
-            )
-        case "pallas_tpu":
-            _pallas_device(kernel, "tpu", device, interpret)
-            block_q, block_kv = _BLOCKS["pallas_tpu", "tpu"]
-            return PallasTpuKernel(
-                block_q=block_q, block_kv=block_kv, interpret=interpret
-            )
-        case _:
-            raise ValueError(
-                "`kernel` must be 'auto', 'xla', 'pallas_gpu', 'pallas_tpu' or an "
-                f"AbstractAttentionKernel; got {kernel!r}."
-            )
+    return _by_name(kernel, device, interpret)

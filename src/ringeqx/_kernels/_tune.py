@@ -15,6 +15,36 @@ from .._tokens import TokenInfo
 from ._base import AbstractAttentionKernel
 
 
+def _problem(
+    batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, mask, score_mod, backward
+):
+    """One ring step's inputs `(q, k, v, d_out)`, tokens at positions `0, 1, ...` of one
+    segment, and `step(kernel, q, k, v, d_out)`: the kernel's forward (and backward)."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, kv_heads, kv_len, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, kv_heads, kv_len, head_dim), dtype)
+    d_out = jax.random.normal(kd, q.shape, dtype)
+
+    def info(length: int) -> TokenInfo:
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return TokenInfo(pos, jnp.zeros_like(pos), jnp.full_like(pos, -1), pos >= 0)
+
+    q_info, kv_info = info(q_len), info(kv_len)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def step(kernel, q, k, v, d_out):
+        out, lse = kernel.forward(q, k, v, q_info, kv_info, mask, score_mod, scale)
+        if not backward:
+            return out, lse
+        delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
+        return kernel.backward(
+            q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, scale
+        )
+
+    return step, (q, k, v, d_out)
+
+
 def tune_block_sizes(
     kernel: AbstractAttentionKernel,
     *,
@@ -79,31 +109,12 @@ def tune_block_sizes(
         for bq, bk in candidates
     }
 
-    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (batch, heads, q_len, head_dim), dtype)
-    k = jax.random.normal(kk, (batch, kv_heads, kv_len, head_dim), dtype)
-    v = jax.random.normal(kv, (batch, kv_heads, kv_len, head_dim), dtype)
-    d_out = jax.random.normal(kd, q.shape, dtype)
-
-    def info(length: int) -> TokenInfo:
-        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        return TokenInfo(pos, jnp.zeros_like(pos), jnp.full_like(pos, -1), pos >= 0)
-
-    q_info, kv_info = info(q_len), info(kv_len)
-    scale = 1.0 / math.sqrt(head_dim)
-
-    def step(kernel, q, k, v, d_out):
-        out, lse = kernel.forward(q, k, v, q_info, kv_info, mask, score_mod, scale)
-        if not backward:
-            return out, lse
-        delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
-        return kernel.backward(
-            q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, scale
-        )
-
+    step, arrays = _problem(
+        batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, mask, score_mod, backward
+    )
     timings = {}
     for blocks, candidate in kernels.items():
         fn = jax.jit(lambda *args, kernel=candidate: step(kernel, *args))
-        timings[blocks] = median_seconds(fn, q, k, v, d_out, repeats=repeats)
+        timings[blocks] = median_seconds(fn, *arrays, repeats=repeats)
     best = min(timings, key=timings.__getitem__)
     return kernels[best], timings

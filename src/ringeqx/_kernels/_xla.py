@@ -11,30 +11,7 @@ from .._masks import AbstractMask, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._base import AbstractAttentionKernel
-
-
-def _pad_axis(x: Array, axis: int, size: int, value=0) -> Array:
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _tile_info(info: TokenInfo, num: int, block: int) -> TokenInfo:
-    """`[batch, len]` records -> `[num, batch, block]`, padding slots invalid."""
-
-    def tile(x, fill):
-        x = _pad_axis(x, 1, num * block, fill)
-        return jnp.swapaxes(x.reshape(x.shape[0], num, block), 0, 1)
-
-    return TokenInfo(
-        tile(info.positions, 0),
-        tile(info.segments, -1),
-        tile(info.spans, -1),
-        tile(info.valid, False),
-    )
+from ._tiling import Softmax, pad_axis, tile_info
 
 
 def _pair_mask(mask: AbstractMask, qi: TokenInfo, ki: TokenInfo) -> Bool[Array, "b q k"]:
@@ -74,6 +51,56 @@ def _logits(
 def _tile_sizes(block: int, length: int) -> tuple[int, int]:
     size = min(block, length)
     return size, math.ceil(length / size)
+
+
+def _q_tiles(x: Array, kv_heads: int, num: int, block: int) -> Array:
+    """`[b, heads, len, *rest]` -> `[num, b, kv_heads, groups, block, *rest]`, padded."""
+    b, h = x.shape[:2]
+    x = pad_axis(x, 2, num * block)
+    x = x.reshape((b, kv_heads, h // kv_heads, num, block) + x.shape[3:])
+    return jnp.moveaxis(x, 3, 0)
+
+
+def _kv_tiles(x: Array, num: int, block: int) -> Array:
+    """`[b, kv_heads, len, d]` -> `[num, b, kv_heads, block, d]`, padded."""
+    b, kh, _, d = x.shape
+    return jnp.moveaxis(pad_axis(x, 2, num * block).reshape(b, kh, num, block, d), 2, 0)
+
+
+def _untile(x: Array, head_axes: int, length: int) -> Array:
+    """Inverse of `_q_tiles` (`head_axes=2`) and `_kv_tiles` (`head_axes=1`):
+    `[b, heads, length, *rest]`."""
+    x = jnp.moveaxis(x, 0, 1 + head_axes)  # [b, *heads, num, block, *rest]
+    heads = math.prod(x.shape[1 : 1 + head_axes])
+    num, block = x.shape[1 + head_axes : 3 + head_axes]
+    x = x.reshape((x.shape[0], heads, num * block) + x.shape[3 + head_axes :])
+    return x[:, :, :length]
+
+
+def _info_tiles(info: TokenInfo, num: int, block: int) -> tuple[TokenInfo, BlockSummary]:
+    """`[batch, len]` records -> `[num, batch, block]` tiles and their summaries."""
+    tiles = tile_info(info, num, block, axis=0)
+    return tiles, BlockSummary.of(tiles, axis=(1, 2))
+
+
+def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
+    """`(dq, dk, dv)` contributions of one `[b, kv_heads, groups, bq]` x `[b, kv_heads,
+    bk]` tile, float32 (Flash Attention 2)."""
+    s, mod_vjp = _logits(q, k, qi, ki, score_mod, scale)
+    ok = _pair_mask(mask, qi, ki)[:, None, None]
+    p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
+    f32 = jnp.float32
+    p_low = p.astype(d_out.dtype)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_low, d_out, preferred_element_type=f32)
+    dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out, v, preferred_element_type=f32)
+    ds = (mod_vjp(p * (dp - delta[..., None])) * scale).astype(q.dtype)
+    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k, preferred_element_type=f32)
+    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q, preferred_element_type=f32)
+    return dq, dk, dv
+
+
+def _pv(p: Array, v: Array) -> Array:
+    return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, preferred_element_type=jnp.float32)
 
 
 class XlaKernel(AbstractAttentionKernel):
@@ -133,59 +160,36 @@ class XlaKernel(AbstractAttentionKernel):
     ]:
         with jax.named_scope("ringeqx_xla_forward"):
             b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
+            kh = k.shape[1]
             bq, nq = _tile_sizes(self.block_q, q_len)
-            bk, nk = _tile_sizes(self.block_kv, kv_len)
-            qt = _pad_axis(q, 2, nq * bq).reshape(b, kh, g, nq, bq, d)
-            qt = jnp.moveaxis(qt, 3, 0)
-            kt = jnp.moveaxis(_pad_axis(k, 2, nk * bk).reshape(b, kh, nk, bk, d), 2, 0)
-            vt = jnp.moveaxis(_pad_axis(v, 2, nk * bk).reshape(b, kh, nk, bk, d), 2, 0)
-            qi = _tile_info(q_info, nq, bq)
-            ki = _tile_info(kv_info, nk, bk)
-            q_sum = BlockSummary.of(qi, axis=(1, 2))
-            k_sum = BlockSummary.of(ki, axis=(1, 2))
+            bk, nk = _tile_sizes(self.block_kv, k.shape[2])
+            qi, q_sum = _info_tiles(q_info, nq, bq)
+            ki, k_sum = _info_tiles(kv_info, nk, bk)
+            kv = (_kv_tiles(k, nk, bk), _kv_tiles(v, nk, bk), ki, k_sum)
 
             def q_tile(xs):
                 q_blk, qi_blk, qs = xs
                 # Derive the carry from the inputs so that it has their sharding type.
-                zero = jnp.zeros_like(q_blk[..., 0], jnp.float32)
-                init = (zero - jnp.inf, zero, jnp.zeros_like(q_blk, jnp.float32))
+                zero = jnp.zeros_like(q_blk[..., :1], jnp.float32)
+                init = Softmax(zero - jnp.inf, zero, jnp.zeros_like(q_blk, jnp.float32))
 
-                def kv_step(carry, ys):
+                def kv_step(acc, ys):
                     k_blk, v_blk, ki_blk, ks = ys
 
-                    def update(carry):
-                        m, denom, acc = carry
+                    def update(acc):
                         s, _ = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
-                        s = jnp.where(ok, s, -jnp.inf)
-                        m_new = jnp.maximum(m, s.max(axis=-1))
-                        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                        p = jnp.exp(s - m_safe[..., None])
-                        alpha = jnp.exp(m - m_safe)
-                        denom = denom * alpha + p.sum(axis=-1)
-                        pv = jnp.einsum(
-                            "bhgqk,bhkd->bhgqd",
-                            p.astype(v_blk.dtype),
-                            v_blk,
-                            preferred_element_type=jnp.float32,
-                        )
-                        return m_new, denom, acc * alpha[..., None] + pv
+                        return acc.update(s, ok, v_blk, _pv)
 
                     run = block_rule(mask, qs, ks)
-                    return jax.lax.cond(run, update, lambda c: c, carry), None
+                    return jax.lax.cond(run, update, lambda c: c, acc), None
 
-                (m, denom, acc), _ = jax.lax.scan(kv_step, init, (kt, vt, ki, k_sum))
-                seen = denom > 0
-                out = acc / jnp.where(seen, denom, 1.0)[..., None]
-                lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
-                return out, lse
+                acc, _ = jax.lax.scan(kv_step, init, kv)
+                out, lse = acc.finish()
+                return out, lse[..., 0]
 
-            out, lse = jax.lax.map(q_tile, (qt, qi, q_sum))
-            out = jnp.moveaxis(out, 0, 3).reshape(b, h, nq * bq, d)[:, :, :q_len]
-            lse = jnp.moveaxis(lse, 0, 3).reshape(b, h, nq * bq)[:, :, :q_len]
-            return out, lse
+            out, lse = jax.lax.map(q_tile, (_q_tiles(q, kh, nq, bq), qi, q_sum))
+            return _untile(out, 2, q_len), _untile(lse, 2, q_len)
 
     def backward(
         self,
@@ -206,24 +210,13 @@ class XlaKernel(AbstractAttentionKernel):
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
         with jax.named_scope("ringeqx_xla_backward"):
-            b, h, q_len, d = q.shape
-            kh, kv_len = k.shape[1], k.shape[2]
-            g = h // kh
+            q_len, kh, kv_len = q.shape[2], k.shape[1], k.shape[2]
             bq, nq = _tile_sizes(self.block_q, q_len)
             bk, nk = _tile_sizes(self.block_kv, kv_len)
-
-            def q_tiles(x):
-                x = _pad_axis(x, 2, nq * bq)
-                return jnp.moveaxis(x.reshape((b, kh, g, nq, bq) + x.shape[3:]), 3, 0)
-
+            qi, q_sum = _info_tiles(q_info, nq, bq)
+            ki, k_sum = _info_tiles(kv_info, nk, bk)
             lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            qt, dot_, lt, delt = (q_tiles(x) for x in (q, d_out, lse_safe, delta))
-            kt = jnp.moveaxis(_pad_axis(k, 2, nk * bk).reshape(b, kh, nk, bk, d), 2, 0)
-            vt = jnp.moveaxis(_pad_axis(v, 2, nk * bk).reshape(b, kh, nk, bk, d), 2, 0)
-            qi = _tile_info(q_info, nq, bq)
-            ki = _tile_info(kv_info, nk, bk)
-            q_sum = BlockSummary.of(qi, axis=(1, 2))
-            k_sum = BlockSummary.of(ki, axis=(1, 2))
+            qs_in = [_q_tiles(x, kh, nq, bq) for x in (q, d_out, lse_safe, delta)]
 
             def kv_tile(dq_acc, xs):
                 k_blk, v_blk, ki_blk, ks = xs
@@ -233,48 +226,22 @@ class XlaKernel(AbstractAttentionKernel):
                     q_blk, do_blk, l_blk, de_blk, qi_blk, qs = ys
 
                     def grads(carry):
-                        dk, dv = carry
-                        s, mod_vjp = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
-                        ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
-                        p = jnp.where(ok, jnp.exp(s - l_blk[..., None]), 0.0)
-                        dv = dv + jnp.einsum(
-                            "bhgqk,bhgqd->bhkd",
-                            p.astype(do_blk.dtype),
-                            do_blk,
-                            preferred_element_type=jnp.float32,
+                        blocks = (q_blk, k_blk, v_blk, do_blk, l_blk, de_blk)
+                        dq, dk, dv = _tile_grads(
+                            *blocks, qi_blk, ki_blk, mask, score_mod, scale
                         )
-                        dp = jnp.einsum(
-                            "bhgqd,bhkd->bhgqk",
-                            do_blk,
-                            v_blk,
-                            preferred_element_type=jnp.float32,
-                        )
-                        ds = mod_vjp(p * (dp - de_blk[..., None])) * scale
-                        ds = ds.astype(q_blk.dtype)
-                        dq = jnp.einsum(
-                            "bhgqk,bhkd->bhgqd", ds, k_blk, preferred_element_type=jnp.float32
-                        )
-                        dk = dk + jnp.einsum(
-                            "bhgqk,bhgqd->bhkd", ds, q_blk, preferred_element_type=jnp.float32
-                        )
-                        return (dk, dv), dq
+                        return (carry[0] + dk, carry[1] + dv), dq
 
                     def skip(carry):
                         return carry, jnp.zeros_like(q_blk, jnp.float32)
 
-                    run = block_rule(mask, qs, ks)
-                    return jax.lax.cond(run, grads, skip, carry)
+                    return jax.lax.cond(block_rule(mask, qs, ks), grads, skip, carry)
 
-                (dk, dv), dq = jax.lax.scan(
-                    q_step, (zero_kv, zero_kv), (qt, dot_, lt, delt, qi, q_sum)
-                )
+                ys = (*qs_in, qi, q_sum)
+                (dk, dv), dq = jax.lax.scan(q_step, (zero_kv, zero_kv), ys)
                 return dq_acc + dq, (dk, dv)
 
-            dq0 = jnp.zeros_like(qt, jnp.float32)
-            dq, (dk, dv) = jax.lax.scan(kv_tile, dq0, (kt, vt, ki, k_sum))
-            dq = jnp.moveaxis(dq, 0, 3).reshape(b, h, nq * bq, d)[:, :, :q_len]
-
-            def kv_back(x):
-                return jnp.moveaxis(x, 0, 2).reshape(b, kh, nk * bk, d)[:, :, :kv_len]
-
-            return dq, kv_back(dk), kv_back(dv)
+            kv = (_kv_tiles(k, nk, bk), _kv_tiles(v, nk, bk), ki, k_sum)
+            dq0 = jnp.zeros_like(qs_in[0], jnp.float32)
+            dq, (dk, dv) = jax.lax.scan(kv_tile, dq0, kv)
+            return _untile(dq, 2, q_len), _untile(dk, 1, kv_len), _untile(dv, 1, kv_len)
