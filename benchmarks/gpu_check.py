@@ -24,9 +24,7 @@ status is 1 if a kernel failed a check or could not run, so CI notices.
 
 import argparse
 import math
-import statistics
 import sys
-import time
 import traceback
 
 import jax
@@ -34,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ringeqx as rx
+from ringeqx._timing import median_seconds
 
 
 def records(batch: int, length: int, doc: int) -> rx.TokenInfo:
@@ -121,13 +120,7 @@ def dpa_fns(causal: bool, implementation: str | None):
 
 def seconds(fn, args, repeats: int) -> float:
     """Median wall time of `fn(*args)` after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+    return median_seconds(fn, *args, repeats=repeats)
 
 
 def attention_flops(batch, heads, length, head_dim, causal: bool) -> float:
