@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from ._checks import check_ring_args
 from ._comm import RingConfig, RingPlan
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
@@ -341,6 +342,7 @@ def ring_attention(
         }
         ```
     """
+    q, k, v = check_ring_args(q, k, v, mask, scale, segment_ids, span_ids)
     _check_qkv(q, k, v)
     mask = Full() if mask is None else mask
     if score_mod is not None:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .._checks import as_int
 from .._masks import AbstractMask, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
@@ -102,8 +103,8 @@ class XlaKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=256)
-    block_kv: int = eqx.field(static=True, default=256)
+    block_q: int = eqx.field(static=True, default=256, converter=as_int)
+    block_kv: int = eqx.field(static=True, default=256, converter=as_int)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         sizes = (256, 512, 1024)
@@ -165,12 +166,17 @@ class XlaKernel(AbstractAttentionKernel):
                         p = jnp.exp(s - m_safe[..., None])
                         alpha = jnp.exp(m - m_safe)
                         denom = denom * alpha + p.sum(axis=-1)
+                        # 0 * NaN = NaN in p @ v: zero non-finite value rows, then give
+                        # NaN back only to the query rows that attend them.
+                        bad = ~jnp.all(jnp.isfinite(v_blk), axis=-1)
                         pv = jnp.einsum(
                             "bhgqk,bhkd->bhgqd",
                             p.astype(v_blk.dtype),
-                            v_blk,
+                            jnp.where(bad[..., None], 0, v_blk),
                             preferred_element_type=jnp.float32,
                         )
+                        hit = jnp.any(ok & bad[:, :, None, None], axis=-1)[..., None]
+                        pv = jnp.where(hit, jnp.nan, pv)
                         return m_new, denom, acc * alpha[..., None] + pv
 
                     run = block_rule(mask, qs, ks)
