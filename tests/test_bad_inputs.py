@@ -25,7 +25,7 @@ import pytest
 from helpers import mesh, qkv
 
 import ringeqx as rx
-from ringeqx._checks import check_int32
+from ringeqx._numbers import check_int32
 
 
 SEQ, HEADS, DIM = 16, 2, 8

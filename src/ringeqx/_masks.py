@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from ._checks import as_int
+from ._numbers import as_int
 from ._tokens import BlockSummary, TokenInfo
 
 

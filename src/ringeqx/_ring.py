@@ -287,8 +287,7 @@ def ring_attention(
 
     **Arguments:**
 
-    - `q`: queries `[*batch, seq, heads, head_dim]` (the `jax.nn.dot_product_attention`
-        BTNH convention).
+    - `q`: queries `[*batch, seq, heads, head_dim]` (BTNH, as `jax.nn.dot_product_attention`).
     - `k`, `v`: keys and values `[*batch, seq, kv_heads, head_dim]`; `heads` must be a
         multiple of `kv_heads` (GQA/MQA, without copying K/V heads).
     - `mask`: an [`ringeqx.AbstractMask`][] (default: `Full()`).

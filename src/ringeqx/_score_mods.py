@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from ._checks import concrete_scalar
+from ._numbers import concrete_scalar
 from ._tokens import TokenInfo
 
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._checks import as_int
 from .._masks import AbstractMask, block_rule
+from .._numbers import as_int
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._base import AbstractAttentionKernel

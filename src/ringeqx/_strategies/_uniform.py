@@ -2,8 +2,8 @@
 
 from jaxtyping import Array, Int
 
-from .._checks import check_int32, is_int
 from .._layout import Layout, contiguous_layout
+from .._numbers import check_int32, is_int
 from ._base import AbstractShardingStrategy
 
 
