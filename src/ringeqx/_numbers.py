@@ -37,12 +37,16 @@ def check_int32(name: str, ids) -> None:
     casting would wrap them silently onto other ids)."""
     if ids is None or isinstance(ids, jax.core.Tracer):
         return
+    info = np.iinfo(np.int32)
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and np.issubdtype(dtype, np.integer):
+        if np.iinfo(dtype).min >= info.min and np.iinfo(dtype).max <= info.max:
+            return  # fits by its dtype: no need to read the values (no device transfer)
     if isinstance(ids, jax.Array) and not ids.is_fully_addressable:
         return
     x = np.asarray(ids)
     if x.size == 0 or not np.issubdtype(x.dtype, np.integer):
         return
-    info = np.iinfo(np.int32)
     lo, hi = x.min(), x.max()
     if lo < info.min or hi > info.max:
         raise ValueError(
