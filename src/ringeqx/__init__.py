@@ -15,6 +15,7 @@ from ._layout import (
     contiguous_layout as contiguous_layout,
     layout_from_order as layout_from_order,
 )
+from ._mask_check import check_mask as check_mask
 from ._masks import (
     AbstractMask as AbstractMask,
     And as And,

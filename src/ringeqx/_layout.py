@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
+from ._numbers import check_int32, is_int
 from ._tokens import TokenInfo
 
 
@@ -181,6 +182,7 @@ class Layout(eqx.Module):
 
 
 def _check_ids(name: str, ids, seq_len: int) -> Array:
+    check_int32(name, ids)
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"`{name}` must be an integer array; got dtype {ids.dtype}.")
@@ -273,10 +275,11 @@ def contiguous_layout(
 
     **Returns:** a [`ringeqx.Layout`][] with `contiguous=True` and `in_order=True`.
     """
-    if not isinstance(num_shards, int) or num_shards < 1:
+    if not is_int(num_shards) or num_shards < 1:
         raise ValueError(f"`num_shards` must be an integer >= 1; got {num_shards!r}.")
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if not is_int(seq_len) or seq_len < 1:
         raise ValueError(f"`seq_len` must be an integer >= 1; got {seq_len!r}.")
+    seq_len, num_shards = int(seq_len), int(num_shards)
     capacity = math.ceil(seq_len / num_shards)
     total = num_shards * capacity
     segment_ids, span_ids, batch = _check_all_ids(segment_ids, span_ids, seq_len)

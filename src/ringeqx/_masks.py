@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe
 from jaxtyping import Array, ArrayLike, Bool, Int
 
+from ._numbers import as_int
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -219,7 +220,7 @@ class SlidingWindow(AbstractMask):
         ```
     """
 
-    window: int = eqx.field(static=True)
+    window: int = eqx.field(static=True, converter=as_int)
     two_sided: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
@@ -328,7 +329,7 @@ class BlockSparse(AbstractMask):
     """
 
     block_mask: Bool[Array, "q_blocks k_blocks"]
-    block_size: int = eqx.field(static=True)
+    block_size: int = eqx.field(static=True, converter=as_int)
 
     def __check_init__(self):
         bs = self.block_size

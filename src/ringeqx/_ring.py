@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from ._checks import check_ring_args
 from ._comm import RingConfig, RingPlan
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
@@ -428,8 +429,7 @@ def ring_attention(
 
     **Arguments:**
 
-    - `q`: queries `[*batch, seq, heads, head_dim]` (the `jax.nn.dot_product_attention`
-        BTNH convention).
+    - `q`: queries `[*batch, seq, heads, head_dim]` (BTNH, as `jax.nn.dot_product_attention`).
     - `k`, `v`: keys and values `[*batch, seq, kv_heads, head_dim]`; `heads` must be a
         multiple of `kv_heads` (GQA/MQA, without copying K/V heads).
     - `mask`: an [`ringeqx.AbstractMask`][] (default: `Full()`).
@@ -483,6 +483,7 @@ def ring_attention(
         }
         ```
     """
+    q, k, v = check_ring_args(q, k, v, mask, scale, segment_ids, span_ids)
     _check_arguments(q, k, v, score_mod, sinks)
     mask = Full() if mask is None else mask
     config = RingConfig() if config is None else config

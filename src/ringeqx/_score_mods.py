@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from ._numbers import concrete_scalar
 from ._tokens import TokenInfo
 
 
@@ -89,7 +90,8 @@ class Softcap(AbstractScoreMod):
     cap: Float[ArrayLike, ""]
 
     def __check_init__(self):
-        if isinstance(self.cap, (int, float)) and not self.cap > 0:
+        cap = concrete_scalar(self.cap)  # None when traced: then it cannot be checked
+        if cap is not None and not cap > 0:
             raise ValueError(f"Softcap `cap` must be > 0; got {self.cap!r}.")
 
     def __call__(

@@ -1,5 +1,6 @@
 """`XlaKernel`: tiled flash attention in plain JAX; runs on every backend."""
 
+import functools
 import math
 
 import equinox as eqx
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._masks import AbstractMask, block_rule
+from .._numbers import as_int
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._base import AbstractAttentionKernel
@@ -103,6 +105,16 @@ def _pv(p: Array, v: Array) -> Array:
     return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, preferred_element_type=jnp.float32)
 
 
+def _masked_pv(p: Array, v: Array, ok: Array) -> Array:
+    """`p @ v` in which masked pairs contribute exactly nothing. Their probabilities are
+    already 0, but 0 * NaN is NaN: value rows that are not finite are zeroed, and NaN is
+    given back only to the query rows that attend them."""
+    bad = ~jnp.all(jnp.isfinite(v), axis=-1)
+    pv = _pv(p, jnp.where(bad[..., None], 0, v))
+    hit = jnp.any(ok & bad[:, :, None, None], axis=-1)[..., None]
+    return jnp.where(hit, jnp.nan, pv)
+
+
 class XlaKernel(AbstractAttentionKernel):
     """Flash attention tiled in `block_q x block_kv` tiles, written in plain JAX.
 
@@ -129,8 +141,8 @@ class XlaKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=256)
-    block_kv: int = eqx.field(static=True, default=256)
+    block_q: int = eqx.field(static=True, default=256, converter=as_int)
+    block_kv: int = eqx.field(static=True, default=256, converter=as_int)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         sizes = (256, 512, 1024)
@@ -179,7 +191,8 @@ class XlaKernel(AbstractAttentionKernel):
                     def update(acc):
                         s, _ = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
-                        return acc.update(s, ok, v_blk, _pv)
+                        pv = functools.partial(_masked_pv, ok=ok)
+                        return acc.update(s, ok, v_blk, pv)
 
                     run = block_rule(mask, qs, ks)
                     return jax.lax.cond(run, update, lambda c: c, acc), None

@@ -117,7 +117,7 @@ class Boundary(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards)
+        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         # Concrete positions (even closed over by an outer jit) allow trace-time checks
         # and the smallest capacity; traced ones are checked when the program runs.
         traced = is_traced(self.positions)

@@ -61,5 +61,5 @@ class Striped(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards)
+        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return _striped_layout(self.stripe, seq_len, num_shards, segment_ids, span_ids)

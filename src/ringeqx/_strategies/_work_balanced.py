@@ -181,7 +181,7 @@ class WorkBalanced(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards)
+        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return _work_balanced_layout(
             seq_len, num_shards, self.chunk, self.iterations, segment_ids, span_ids
         )

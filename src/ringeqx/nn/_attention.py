@@ -15,6 +15,18 @@ from .._score_mods import AbstractScoreMod
 from ._rope import apply_rope
 
 
+def _check_x(x, dim) -> None:
+    shape = jnp.shape(x)
+    if len(shape) != 2 or shape[-1] != dim:
+        hint = (
+            " It handles one example: map over a batch with `jax.vmap(attn)(x)` (or "
+            "`jax.vmap(attn, in_axes=(0, None))(x, layout)` with a layout)."
+            if len(shape) == 3
+            else ""
+        )
+        raise ValueError(f"`x` must have shape [seq, dim={dim}]; got shape {shape}.{hint}")
+
+
 class RingAttention(eqx.Module):
     """Multi-head attention with query/key/value/output projections, on a ring.
 
@@ -136,6 +148,7 @@ class RingAttention(eqx.Module):
 
         **Returns:** `[seq, dim]`, in the order of `x`.
         """
+        _check_x(x, self.query_proj.in_features)
         seq = x.shape[0]
 
         def heads(proj, n):

@@ -1,0 +1,220 @@
+"""No silent wrong answers on bad input: a catalogue of misuses and the message each gives.
+
+Each case names the misuse and matches a fragment of the message that names the argument
+and what was expected. The cases run with jaxtyping's checks off (the `_own_checks`
+fixture), as a user without the hook runs them: with the hook, a NumPy integer, a NumPy id
+array or a 2-D slopes array is already refused by the annotations (naming the argument),
+before our checks run.
+
+Not catchable, and so documented here rather than tested:
+
+- Values traced under `jax.jit` (a `Softcap` cap, ids computed inside the jitted function)
+  cannot be checked at trace time; the checks are skipped for them, never failing.
+- A layout built by a strategy for another sequence length whose sharded length
+  (`num_shards * capacity`) happens to equal the input's length is indistinguishable from
+  input already in layout order; only a different length is caught.
+- `check_mask` is randomised: it finds a non-conservative block rule with high
+  probability on small blocks, not with certainty.
+"""
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from helpers import mesh, qkv
+
+import ringeqx as rx
+from ringeqx._numbers import check_int32
+
+
+SEQ, HEADS, DIM = 16, 2, 8
+Q, K, V = qkv(jax.random.key(0), (), SEQ, HEADS, HEADS, DIM)
+MESH = mesh(2)
+
+
+@pytest.fixture(autouse=True)
+def _own_checks():
+    """Our own checks, as a user without jaxtyping's hook sees them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _call(q=Q, k=K, v=V, **kw):
+    kw.setdefault("mesh", MESH)
+    kw.setdefault("kernel", rx.XlaKernel(8, 8))
+    return rx.ring_attention(q, k, v, **kw)
+
+
+# 1. Values given as arrays get the check of their Python twin; NumPy integers are ints.
+
+INT = "must be an integer >= 1"
+
+
+@pytest.mark.parametrize(
+    "misuse, make, match",
+    [
+        ("cap 0 as an array", lambda: rx.Softcap(jnp.array(0.0)), "Softcap `cap` must be > 0"),
+        ("negative NumPy cap", lambda: rx.Softcap(np.float32(-1.0)), "Softcap `cap` must be > 0"),
+        ("negative Python cap", lambda: rx.Softcap(-2.0), "Softcap `cap` must be > 0"),
+        ("window as an array", lambda: rx.SlidingWindow(jnp.array(0)), f"`window` {INT}"),
+        ("window 0 as NumPy", lambda: rx.SlidingWindow(np.int64(0)), f"`window` {INT}"),
+        ("block size 0 as NumPy", lambda: rx.XlaKernel(np.int64(0), 8), f"`block_q` {INT}"),
+        ("0 shards as NumPy", lambda: rx.contiguous_layout(16, np.int64(0)), f"`num_shards` {INT}"),
+        ("2-D ALiBi slopes", lambda: rx.ALiBi(jnp.ones((2, 2))), "ALiBi `slopes` must be 1-D"),
+    ],
+)  # fmt: skip
+def test_array_values_are_checked(misuse, make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_traced_cap_is_not_checked():
+    assert jax.jit(lambda c: rx.Softcap(c).cap)(1.0) == 1.0
+
+
+def test_numpy_integers_are_ints():
+    assert rx.SlidingWindow(np.int64(4)).window == 4
+    assert type(rx.SlidingWindow(np.int64(4)).window) is int
+    kernel = rx.XlaKernel(np.int64(8), np.int32(8))
+    assert (kernel.block_q, kernel.block_kv) == (8, 8)
+    assert type(kernel.block_q) is int
+    assert rx.contiguous_layout(np.int64(16), np.int64(2)).capacity == 8
+    assert rx.Uniform().layout(np.int64(16), np.int64(2)).capacity == 8
+    assert rx.BlockSparse(jnp.ones((2, 2), bool), np.int64(8)).block_size == 8
+
+
+# 2. Ids that do not fit in int32 are refused, not wrapped.
+
+BIG = np.array([0] * 8 + [2**40] * 8, np.int64)
+
+
+@pytest.mark.parametrize(
+    "misuse, call",
+    [
+        ("segment_ids in ring_attention", lambda: _call(mask=rx.Document(), segment_ids=BIG)),
+        ("segment_ids in a strategy", lambda: rx.Zigzag().layout(16, 2, segment_ids=BIG)),
+        ("span_ids in contiguous_layout", lambda: rx.contiguous_layout(16, 2, span_ids=BIG)),
+        ("span_ids in ring_attention", lambda: _call(mask=rx.BidirectionalSpans(), span_ids=-BIG)),
+    ],
+)
+def test_ids_beyond_int32(misuse, call):
+    with pytest.raises(ValueError, match=r"_ids` must fit in int32"):
+        call()
+
+
+def test_int64_ids_that_fit_are_fine():
+    check_int32("segment_ids", np.arange(16, dtype=np.int64))
+
+
+# 3. A mask whose block rule is not conservative.
+
+
+class _BadCausal(rx.AbstractMask):
+    """Causal, but its block rule forgets the diagonal blocks."""
+
+    def allows(self, q, k):
+        return q.positions >= k.positions
+
+    def may_attend(self, q, k):
+        return q.pos_min > k.pos_max
+
+    def max_distance(self):
+        return None
+
+    def max_lookahead(self):
+        return 0
+
+    def check(self, seq_len):
+        pass
+
+
+def test_check_mask_finds_a_counterexample():
+    match = r"_BadCausal.may_attend is not conservative.*query block \d+ and key block \d+"
+    with pytest.raises(ValueError, match=match):
+        rx.check_mask(_BadCausal(), 16, samples=2)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        rx.Causal(),
+        rx.SlidingWindow(3),
+        rx.Document() & rx.Causal(),
+        rx.BidirectionalSpans() | rx.Causal(),
+    ],
+)
+def test_check_mask_passes_library_masks(mask):
+    rx.check_mask(mask, 16, samples=3)
+
+
+def test_check_mask_with_given_ids():
+    seg = jnp.array([0] * 5 + [1] * 11)
+    rx.check_mask(rx.Document(), 16, samples=2, segment_ids=seg)
+
+
+# 4. A NaN in a value row that a query never attends stays out of its output.
+
+
+def test_masked_nan_value_does_not_leak():
+    v = V.at[-1].set(jnp.nan)
+    out = _call(v=v, mask=rx.Causal())
+    # Rows before the last never see the last key, so its value does not matter to them.
+    want = rx.reference_attention(Q, K, V.at[-1].set(0.0), mask=rx.Causal())
+    assert bool(jnp.all(jnp.isfinite(out[:-1])))
+    np.testing.assert_allclose(out[:-1], want[:-1], rtol=1e-5, atol=1e-5)
+
+
+# 5. Vague errors made specific.
+
+
+def _qkv(f):
+    return {"q": f(Q), "k": f(K), "v": f(V)}
+
+
+@pytest.mark.parametrize(
+    "misuse, kw, error, match",
+    [
+        ("mask class", {"mask": rx.Causal}, TypeError, r"Causal\. Write `mask=ringeqx.Causal\(\)`"),
+        ("string mask", {"mask": "causal"}, TypeError, r"`mask` must be a ringeqx.AbstractMask"),
+        ("zero heads", _qkv(lambda x: x[:, :0]), ValueError, "`q` .* got heads = 0"),
+        ("zero head_dim", _qkv(lambda x: x[..., :0]), ValueError, "`q` .* got head_dim = 0"),
+        ("zero batch", _qkv(lambda x: x[None][:0]), ValueError, "`q` .* got batch = 0"),
+    ],
+)  # fmt: skip
+def test_vague_errors(misuse, kw, error, match):
+    with pytest.raises(error, match=match):
+        _call(**kw)
+
+
+def test_traced_scale():
+    with pytest.raises(TypeError, match=r"`scale` must be a concrete Python number"):
+        jax.jit(lambda s: _call(scale=s))(0.5)
+
+
+def test_lists_are_converted():
+    out = _call(q=Q.tolist(), k=K.tolist(), v=V.tolist())
+    np.testing.assert_allclose(out, _call(), rtol=1e-6, atol=1e-6)
+
+
+def test_batched_x_to_nn_ring_attention():
+    attn = rx.nn.RingAttention(16, 2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"`x` must have shape \[seq, dim=16\].*jax.vmap"):
+        attn(jnp.zeros((2, SEQ, 16)), mesh=MESH)
+
+
+# 6. Layout order.
+
+
+def test_input_in_original_order_with_a_padded_layout():
+    layout = rx.Zigzag().layout(14, 2)  # capacity 8: sharded length 16, original 14
+    match = r"layout order with seq = num_shards \* capacity = 16; got seq 14\. Use `layout.shard`"
+    with pytest.raises(ValueError, match=match):
+        _call(Q[:14], K[:14], V[:14], layout=layout)
+
+
+def test_layout_for_another_length():
+    layout = rx.Zigzag().layout(32, 2)
+    with pytest.raises(ValueError, match=r"capacity = 32; got seq 16"):
+        _call(layout=layout)
