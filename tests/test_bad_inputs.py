@@ -166,6 +166,24 @@ def test_masked_nan_value_does_not_leak():
     np.testing.assert_allclose(out[:-1], want[:-1], rtol=1e-5, atol=1e-5)
 
 
+def test_masked_nan_key_and_value_do_not_leak_into_gradients():
+    # The backward's 0 x NaN: dP = dO V^T and dQ = dS K read the masked last key too.
+    k, v = K.at[-1].set(jnp.nan), V.at[-1].set(jnp.inf)
+
+    def loss(q, k, v, call):
+        return jnp.sum(call(q, k, v, mask=rx.Causal())[:-1] ** 2)
+
+    got = jax.grad(loss, argnums=(0, 1, 2))(Q, k, v, _call)
+    want = jax.grad(loss, argnums=(0, 1, 2))(
+        Q, K.at[-1].set(0.0), V.at[-1].set(0.0), rx.reference_attention
+    )
+    # dK is left out: the last query does attend the NaN key, and its NaN output reaches
+    # every key's dK through that row's dS (delta = 0 x NaN), as in dense autodiff.
+    for g, w in ((got[0], want[0]), (got[2], want[2])):
+        assert bool(jnp.all(jnp.isfinite(g[:-1])))
+        np.testing.assert_allclose(g[:-1], w[:-1], rtol=1e-5, atol=1e-5)
+
+
 # 5. Vague errors made specific.
 
 

@@ -95,8 +95,12 @@ def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
     p_low = p.astype(d_out.dtype)
     dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_low, d_out, preferred_element_type=f32)
     dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out, v, preferred_element_type=f32)
+    # Masked pairs contribute exactly nothing, a non-finite K or V row included.
+    dp = jnp.where(ok, dp, 0.0)
     ds = (mod_vjp(p * (dp - delta[..., None])) * scale).astype(q.dtype)
-    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k, preferred_element_type=f32)
+    k_finite, k_bad = _finite_rows(k)
+    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_finite, preferred_element_type=f32)
+    dq = jnp.where(_attends(ok, k_bad), jnp.nan, dq)
     dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q, preferred_element_type=f32)
     return dq, dk, dv
 
@@ -105,14 +109,23 @@ def _pv(p: Array, v: Array) -> Array:
     return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, preferred_element_type=jnp.float32)
 
 
+def _finite_rows(x: Array) -> tuple[Array, Array]:
+    """`x` `[b, h, k, d]` with its non-finite rows zeroed, and where they were `[b, h, k]`."""
+    bad = ~jnp.all(jnp.isfinite(x), axis=-1)
+    return jnp.where(bad[..., None], 0, x), bad
+
+
+def _attends(ok: Array, bad: Array) -> Array:
+    """`[b, h, 1, bq, 1]`: the query rows that attend one of the `bad` key rows."""
+    return jnp.any(ok & bad[:, :, None, None], axis=-1)[..., None]
+
+
 def _masked_pv(p: Array, v: Array, ok: Array) -> Array:
     """`p @ v` in which masked pairs contribute exactly nothing. Their probabilities are
     already 0, but 0 * NaN is NaN: value rows that are not finite are zeroed, and NaN is
     given back only to the query rows that attend them."""
-    bad = ~jnp.all(jnp.isfinite(v), axis=-1)
-    pv = _pv(p, jnp.where(bad[..., None], 0, v))
-    hit = jnp.any(ok & bad[:, :, None, None], axis=-1)[..., None]
-    return jnp.where(hit, jnp.nan, pv)
+    v_finite, bad = _finite_rows(v)
+    return jnp.where(_attends(ok, bad), jnp.nan, _pv(p, v_finite))
 
 
 class XlaKernel(AbstractAttentionKernel):
