@@ -9,8 +9,9 @@ default contiguous path). It prints a Markdown report:
 1. ring attention forward+backward (causal, batch 1, 4 heads, head_dim 64, float32) for
    N in `--lengths` and P = 1, 2, 4, 8 devices, beside dense
    `jax.nn.dot_product_attention` on one device;
-2. a small `RingTransformerLM` training step (loss + gradients) at P = 8 for N, 2N, 4N
-   and at P = 4 for the middle length;
+2. a small `RingTransformerLM` training step (loss + gradients) at P = 8 for N, 2N, 4N,
+   8N and at P = 4 for `--fixed-len`, with memory per token per device (flat when memory
+   is O(N/P));
 3. the ratios the issue asks for, with PASS/MISS: memory growth per doubling of N at P = 8
    (<= 2.1x) and the change from P = 4 to P = 8 at N = 16K (<= 0.55x).
 
@@ -19,6 +20,7 @@ matplotlib; skipped with a note where it is missing).
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -36,9 +38,9 @@ def _parse(argv):
     parser.add_argument(
         "--lm-lengths",
         type=int,
-        nargs=3,
-        default=[8192, 16384, 32768],
-        help="N, 2N, 4N of the LM training step",
+        nargs="+",
+        default=[8192, 16384, 32768, 65536],
+        help="N, 2N, 4N, ... of the LM training step (doublings)",
     )
     parser.add_argument(
         "--fixed-len", type=int, default=16384, help="N of the P = 4 -> 8 ratios"
@@ -199,11 +201,11 @@ def main() -> int:
         "LM training step (vocab 512, dim 128, 4 heads, 2 layers; loss + gradients), "
         "tokens and labels sharded:",
         "",
-        "| N | P | MiB per device |",
-        "|---|---|---|",
+        "| N | P | MiB per device | KiB per token per device |",
+        "|---|---|---|---|",
     ]
     for (n, p), mib in lm.items():
-        report.append(f"| {n} | {p} | {mib:.1f} |")
+        report.append(f"| {n} | {p} | {mib:.1f} | {1024 * mib / (n // p):.1f} |")
     at8 = {n: attn[n, 8] for n in ARGS.lengths if n >= min(ARGS.lm_lengths)}
     rows = ratio_rows("attention", at8, fixed, {p: attn[fixed, p] for p in (4, 8)})
     rows += ratio_rows(
@@ -217,6 +219,14 @@ def main() -> int:
         report.append(
             f"| {name} | {value:.3f} | <= {goal} | {'PASS' if value <= goal else 'MISS'} |"
         )
+    lengths = sorted(ARGS.lm_lengths)
+    growth = lm[lengths[-1], 8] / lm[lengths[0], 8]
+    doublings = math.log2(lengths[-1] / lengths[0])
+    report += [
+        "",
+        f"LM step, P=8, N={lengths[0]} -> {lengths[-1]}: {growth:.3f}x in {doublings:.0f} "
+        f"doublings, {growth ** (1 / doublings):.3f}x per doubling on average.",
+    ]
     report += ["", plot(attn, dense, ARGS.plot)]
     print("\n".join(report), flush=True)
     return 0

@@ -55,28 +55,42 @@ def _tile_sizes(block: int, length: int) -> tuple[int, int]:
     return size, math.ceil(length / size)
 
 
-def _q_tiles(x: Array, kv_heads: int, num: int, block: int) -> Array:
-    """`[b, heads, len, *rest]` -> `[num, b, kv_heads, groups, block, *rest]`, padded."""
+def _grouped(x: Array, kv_heads: int, length: int) -> Array:
+    """`[b, heads, len, *rest]` -> `[b, kv_heads, groups, length, *rest]`, padded to
+    `length`: a reshape, no copy unless padding is needed."""
     b, h = x.shape[:2]
-    x = pad_axis(x, 2, num * block)
-    x = x.reshape((b, kv_heads, h // kv_heads, num, block) + x.shape[3:])
-    return jnp.moveaxis(x, 3, 0)
+    x = pad_axis(x, 2, length)
+    return x.reshape((b, kv_heads, h // kv_heads) + x.shape[2:])
 
 
-def _kv_tiles(x: Array, num: int, block: int) -> Array:
-    """`[b, kv_heads, len, d]` -> `[num, b, kv_heads, block, d]`, padded."""
-    b, kh, _, d = x.shape
-    return jnp.moveaxis(pad_axis(x, 2, num * block).reshape(b, kh, num, block, d), 2, 0)
-
-
-def _untile(x: Array, head_axes: int, length: int) -> Array:
-    """Inverse of `_q_tiles` (`head_axes=2`) and `_kv_tiles` (`head_axes=1`):
-    `[b, heads, length, *rest]`."""
-    x = jnp.moveaxis(x, 0, 1 + head_axes)  # [b, *heads, num, block, *rest]
-    heads = math.prod(x.shape[1 : 1 + head_axes])
-    num, block = x.shape[1 + head_axes : 3 + head_axes]
-    x = x.reshape((x.shape[0], heads, num * block) + x.shape[3 + head_axes :])
+def _ungrouped(x: Array, length: int) -> Array:
+    """Inverse of `_grouped`: `[b, heads, length, *rest]`."""
+    x = x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
     return x[:, :, :length]
+
+
+def _tile(x: Array, index, block: int, axis: int) -> Array:
+    """Tile `index` (traced) of `block` tokens along `axis`: a slice, not a copy of `x`."""
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+
+
+def _add_tile(x: Array, update: Array, index, block: int, axis: int) -> Array:
+    """`x` with `update` added to its tile `index` (in place in a loop)."""
+    old = _tile(x, index, block, axis)
+    return jax.lax.dynamic_update_slice_in_dim(x, old + update, index * block, axis)
+
+
+def _loop(num: int, body, init):
+    """`lax.fori_loop(0, num, body, init)`, or the body itself for one tile (no loop, so
+    no loop-carried copies of whole buffers)."""
+    if num == 1:
+        return body(0, init)
+    return jax.lax.fori_loop(0, num, body, init)
+
+
+def _pick(tree, index):
+    """Entry `index` of stacked per-tile records."""
+    return jax.tree.map(lambda x: x[index], tree)
 
 
 def _info_tiles(info: TokenInfo, num: int, block: int) -> tuple[TokenInfo, BlockSummary]:
@@ -180,26 +194,26 @@ class XlaKernel(AbstractAttentionKernel):
         mask: AbstractMask,
         score_mod: AbstractScoreMod | None,
         scale: float,
-    ) -> tuple[
-        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
-    ]:
+    ) -> tuple[Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]]:
         with jax.named_scope("ringeqx_xla_forward"):
-            b, h, q_len, d = q.shape
-            kh = k.shape[1]
+            q_len, kh = q.shape[2], k.shape[1]
             bq, nq = _tile_sizes(self.block_q, q_len)
             bk, nk = _tile_sizes(self.block_kv, k.shape[2])
             qi, q_sum = _info_tiles(q_info, nq, bq)
             ki, k_sum = _info_tiles(kv_info, nk, bk)
-            kv = (_kv_tiles(k, nk, bk), _kv_tiles(v, nk, bk), ki, k_sum)
+            # Tiles are sliced where they lie (no tiled copies of q, k, v or out).
+            qg = _grouped(q, kh, nq * bq)
+            k, v = (pad_axis(x, 2, nk * bk) for x in (k, v))
 
-            def q_tile(xs):
-                q_blk, qi_blk, qs = xs
+            def q_tile(i, out_lse):
+                q_blk, qi_blk, qs = _tile(qg, i, bq, 3), _pick(qi, i), _pick(q_sum, i)
                 # Derive the carry from the inputs so that it has their sharding type.
                 zero = jnp.zeros_like(q_blk[..., :1], jnp.float32)
                 init = Softmax(zero - jnp.inf, zero, jnp.zeros_like(q_blk, jnp.float32))
 
-                def kv_step(acc, ys):
-                    k_blk, v_blk, ki_blk, ks = ys
+                def kv_step(acc, j):
+                    k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
+                    ki_blk = _pick(ki, j)
 
                     def update(acc):
                         s, _ = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
@@ -207,15 +221,20 @@ class XlaKernel(AbstractAttentionKernel):
                         pv = functools.partial(_masked_pv, ok=ok)
                         return acc.update(s, ok, v_blk, pv)
 
-                    run = block_rule(mask, qs, ks)
+                    run = block_rule(mask, qs, _pick(k_sum, j))
                     return jax.lax.cond(run, update, lambda c: c, acc), None
 
-                acc, _ = jax.lax.scan(kv_step, init, kv)
-                out, lse = acc.finish()
-                return out, lse[..., 0]
+                acc, _ = jax.lax.scan(kv_step, init, jnp.arange(nk))
+                o, lse = acc.finish()
+                out, lse_all = out_lse
+                return (
+                    jax.lax.dynamic_update_slice_in_dim(out, o, i * bq, 3),
+                    jax.lax.dynamic_update_slice_in_dim(lse_all, lse[..., 0], i * bq, 3),
+                )
 
-            out, lse = jax.lax.map(q_tile, (_q_tiles(q, kh, nq, bq), qi, q_sum))
-            return _untile(out, 2, q_len), _untile(lse, 2, q_len)
+            out = jnp.zeros_like(qg, jnp.float32)
+            out, lse = _loop(nq, q_tile, (out, out[..., 0]))
+            return _ungrouped(out, q_len), _ungrouped(lse, q_len)
 
     def backward(
         self,
@@ -242,32 +261,44 @@ class XlaKernel(AbstractAttentionKernel):
             qi, q_sum = _info_tiles(q_info, nq, bq)
             ki, k_sum = _info_tiles(kv_info, nk, bk)
             lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-            qs_in = [_q_tiles(x, kh, nq, bq) for x in (q, d_out, lse_safe, delta)]
+            # Tiles are sliced where they lie, and gradients are added into their tiles.
+            qs_in = [_grouped(x, kh, nq * bq) for x in (q, d_out, lse_safe, delta)]
+            k, v = (pad_axis(x, 2, nk * bk) for x in (k, v))
 
-            def kv_tile(dq_acc, xs):
-                k_blk, v_blk, ki_blk, ks = xs
+            def kv_tile(j, grads_all):
+                k_blk, v_blk, ki_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2), _pick(ki, j)
+                ks = _pick(k_sum, j)
+
+                def q_step(carry, i):
+                    dq_all, dk, dv = carry
+                    blocks = [_tile(x, i, bq, 3) for x in qs_in]
+
+                    def grads(_):
+                        q_blk, do_blk, l_blk, de_blk = blocks
+                        tiles = (q_blk, k_blk, v_blk, do_blk, l_blk, de_blk)
+                        args = (_pick(qi, i), ki_blk, mask, score_mod, scale)
+                        return _tile_grads(*tiles, *args)
+
+                    def skip(_):
+                        zero_q = jnp.zeros_like(blocks[0], jnp.float32)
+                        return zero_q, jnp.zeros_like(dk), jnp.zeros_like(dv)
+
+                    run = block_rule(mask, _pick(q_sum, i), ks)
+                    dq_t, dk_t, dv_t = jax.lax.cond(run, grads, skip, None)
+                    return (_add_tile(dq_all, dq_t, i, bq, 3), dk + dk_t, dv + dv_t), None
+
+                dq_all, dk_all, dv_all = grads_all
                 zero_kv = jnp.zeros_like(k_blk, jnp.float32)
+                init = (dq_all, zero_kv, zero_kv)
+                (dq_all, dk, dv), _ = jax.lax.scan(q_step, init, jnp.arange(nq))
+                update = jax.lax.dynamic_update_slice_in_dim
+                return dq_all, update(dk_all, dk, j * bk, 2), update(dv_all, dv, j * bk, 2)
 
-                def q_step(carry, ys):
-                    q_blk, do_blk, l_blk, de_blk, qi_blk, qs = ys
-
-                    def grads(carry):
-                        blocks = (q_blk, k_blk, v_blk, do_blk, l_blk, de_blk)
-                        dq, dk, dv = _tile_grads(
-                            *blocks, qi_blk, ki_blk, mask, score_mod, scale
-                        )
-                        return (carry[0] + dk, carry[1] + dv), dq
-
-                    def skip(carry):
-                        return carry, jnp.zeros_like(q_blk, jnp.float32)
-
-                    return jax.lax.cond(block_rule(mask, qs, ks), grads, skip, carry)
-
-                ys = (*qs_in, qi, q_sum)
-                (dk, dv), dq = jax.lax.scan(q_step, (zero_kv, zero_kv), ys)
-                return dq_acc + dq, (dk, dv)
-
-            kv = (_kv_tiles(k, nk, bk), _kv_tiles(v, nk, bk), ki, k_sum)
-            dq0 = jnp.zeros_like(qs_in[0], jnp.float32)
-            dq, (dk, dv) = jax.lax.scan(kv_tile, dq0, kv)
-            return _untile(dq, 2, q_len), _untile(dk, 1, kv_len), _untile(dv, 1, kv_len)
+            dk0 = jnp.zeros_like(k, jnp.float32)
+            init = (jnp.zeros_like(qs_in[0], jnp.float32), dk0, dk0)
+            dq, dk, dv = _loop(nk, kv_tile, init)
+            return (
+                _ungrouped(dq, q_len),
+                dk[:, :, :kv_len],
+                dv[:, :, :kv_len],
+            )
