@@ -16,35 +16,39 @@ from ._base import AbstractAttentionKernel
 from ._tiling import Softmax, pad_axis, tile_info
 
 
-def _pair_mask(mask: AbstractMask, qi: TokenInfo, ki: TokenInfo) -> Bool[Array, "b q k"]:
-    """Which pairs of a `[b, bq]` x `[b, bk]` tile attend (padding never does)."""
-    q, k = qi.expand(2), ki.expand(1)
+def _pair_mask(
+    mask: AbstractMask, qi: TokenInfo, ki: TokenInfo, keys_first: bool = False
+) -> Bool[Array, "b q k"]:
+    """Which pairs of a `[b, bq]` x `[b, bk]` tile attend (padding never does):
+    `[b, bq, bk]`, or `[b, bk, bq]` with `keys_first`."""
+    q, k = (qi.expand(1), ki.expand(2)) if keys_first else (qi.expand(2), ki.expand(1))
     return mask.allows(q, k) & q.valid & k.valid
 
 
-def _logits(
-    qt: Array,
-    kt: Array,
-    qi: TokenInfo,
-    ki: TokenInfo,
-    score_mod: AbstractScoreMod | None,
-    scale: float,
-):
-    """Scaled (and modified) logits `[b, kv_heads, groups, bq, bk]` in float32, with
-    the vjp of the modifier (identity when there is none)."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qt, kt, preferred_element_type=jnp.float32)
-    s = s * scale
+def _modify(score_mod: AbstractScoreMod, s: Array, qi: TokenInfo, ki: TokenInfo) -> Array:
+    """`score_mod` on logits `[b, kv_heads, groups, bq, bk]` (its own `[heads, q, k]`
+    orientation)."""
+    b, kh, g, bq, bk = s.shape
+    out = score_mod(
+        s.reshape(b, kh * g, bq, bk),
+        jax.tree.map(lambda x: x[:, None, :, None], qi),
+        jax.tree.map(lambda x: x[:, None, None, :], ki),
+    )
+    return out.reshape(s.shape)
+
+
+def _logits(q2, k, qi, ki, score_mod, scale, groups: int):
+    """Scaled (and modified) logits `[b, kv_heads, groups * bq, bk]` in float32 (a query
+    head's group folded into the rows), with the vjp of the modifier (identity when there
+    is none)."""
+    s = jnp.einsum("bhqd,bhkd->bhqk", q2, k, preferred_element_type=jnp.float32) * scale
     if score_mod is None:
         return s, lambda ds: ds
-    b, kh, g, bq, bk = s.shape
+    b, kh, rows, bk = s.shape
 
     def mod(s):
-        out = score_mod(
-            s.reshape(b, kh * g, bq, bk),
-            jax.tree.map(lambda x: x[:, None, :, None], qi),
-            jax.tree.map(lambda x: x[:, None, None, :], ki),
-        )
-        return out.reshape(s.shape)
+        s = _modify(score_mod, s.reshape(b, kh, groups, rows // groups, bk), qi, ki)
+        return s.reshape(b, kh, rows, bk)
 
     s, vjp = jax.vjp(mod, s)
     return s, lambda ds: vjp(ds)[0]
@@ -99,28 +103,55 @@ def _info_tiles(info: TokenInfo, num: int, block: int) -> tuple[TokenInfo, Block
     return tiles, BlockSummary.of(tiles, axis=(1, 2))
 
 
+def _keys_first_logits(q2, k, qi, ki, score_mod, scale, groups: int):
+    """Scaled (and modified) logits `[b, kv_heads, bk, groups * bq]` in float32, keys on
+    the rows, with the vjp of the modifier (applied in its own `[heads, q, k]` order)."""
+    s = jnp.einsum("bhkd,bhqd->bhkq", k, q2, preferred_element_type=jnp.float32) * scale
+    if score_mod is None:
+        return s, lambda ds: ds
+    b, kh, bk, rows = s.shape
+    bq = rows // groups
+
+    def mod(s):
+        s = jnp.moveaxis(s.reshape(b, kh, bk, groups, bq), 2, -1)
+        s = _modify(score_mod, s, qi, ki)
+        return jnp.moveaxis(s, -1, 2).reshape(b, kh, bk, rows)
+
+    s, vjp = jax.vjp(mod, s)
+    return s, lambda ds: vjp(ds)[0]
+
+
 def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
-    """`(dq, dk, dv)` contributions of one `[b, kv_heads, groups, bq]` x `[b, kv_heads,
-    bk]` tile, float32 (Flash Attention 2)."""
-    s, mod_vjp = _logits(q, k, qi, ki, score_mod, scale)
-    ok = _pair_mask(mask, qi, ki)[:, None, None]
-    p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
+    """`(dq^T, dk, dv)` contributions of one `[b, kv_heads, groups, bq]` x `[b, kv_heads,
+    bk]` tile, float32 (Flash Attention 2); `dq^T` is `[b, kv_heads, d, groups, bq]`.
+
+    The tile is computed keys first, `[bk, groups * bq]` (a query head's group folded into
+    the rows): every product then reads the large P and dS as they lie, and only the small
+    K and dO tiles are transposed, where the queries-first order transposes P and dS (the
+    profile in `benchmarks/RESULTS.md`)."""
+    b, kh, g, bq, d = q.shape
+    bk = k.shape[2]
+    q2, do2, lse2, de2 = (x.reshape((b, kh, g * bq) + x.shape[4:]) for x in (q, d_out, lse, delta))
+    s, mod_vjp = _keys_first_logits(q2, k, qi, ki, score_mod, scale, g)
+    ok = _pair_mask(mask, qi, ki, keys_first=True)[:, None, :, None, :]
+    ok = jnp.broadcast_to(ok, (b, 1, bk, g, bq)).reshape(b, 1, bk, g * bq)
     f32 = jnp.float32
-    p_low = p.astype(d_out.dtype)
-    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p_low, d_out, preferred_element_type=f32)
-    dp = jnp.einsum("bhgqd,bhkd->bhgqk", d_out, v, preferred_element_type=f32)
+    p = jnp.where(ok, jnp.exp(s - lse2[:, :, None, :]), 0.0)
+    dv = jnp.einsum("bhkq,bhqd->bhkd", p.astype(d_out.dtype), do2, preferred_element_type=f32)
+    dp = jnp.einsum("bhkd,bhqd->bhkq", v, do2, preferred_element_type=f32)
     # Masked pairs contribute exactly nothing, a non-finite K or V row included.
     dp = jnp.where(ok, dp, 0.0)
-    ds = (mod_vjp(p * (dp - delta[..., None])) * scale).astype(q.dtype)
+    ds = (mod_vjp(p * (dp - de2[:, :, None, :])) * scale).astype(q.dtype)
     k_finite, k_bad = _finite_rows(k)
-    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_finite, preferred_element_type=f32)
-    dq = jnp.where(_attends(ok, k_bad), jnp.nan, dq)
-    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds, q, preferred_element_type=f32)
-    return dq, dk, dv
+    dq_t = jnp.einsum("bhkd,bhkq->bhdq", k_finite, ds, preferred_element_type=f32)
+    attends_bad = jnp.any(ok & k_bad[..., None], axis=2)[:, :, None, :]
+    dq_t = jnp.where(attends_bad, jnp.nan, dq_t).reshape(b, kh, d, g, bq)
+    dk = jnp.einsum("bhkq,bhqd->bhkd", ds, q2, preferred_element_type=f32)
+    return dq_t, dk, dv
 
 
 def _pv(p: Array, v: Array) -> Array:
-    return jnp.einsum("bhgqk,bhkd->bhgqd", p, v, preferred_element_type=jnp.float32)
+    return jnp.einsum("bhqk,bhkd->bhqd", p, v, preferred_element_type=jnp.float32)
 
 
 def _finite_rows(x: Array) -> tuple[Array, Array]:
@@ -130,8 +161,9 @@ def _finite_rows(x: Array) -> tuple[Array, Array]:
 
 
 def _attends(ok: Array, bad: Array) -> Array:
-    """`[b, h, 1, bq, 1]`: the query rows that attend one of the `bad` key rows."""
-    return jnp.any(ok & bad[:, :, None, None], axis=-1)[..., None]
+    """`[b, h, rows, 1]`: the query rows (`ok` is `[b, 1, rows, bk]`) that attend one of
+    the `bad` key rows."""
+    return jnp.any(ok & bad[:, :, None, :], axis=-1)[..., None]
 
 
 def _masked_pv(p: Array, v: Array, ok: Array) -> Array:
@@ -207,17 +239,21 @@ class XlaKernel(AbstractAttentionKernel):
 
             def q_tile(i, out_lse):
                 q_blk, qi_blk, qs = _tile(qg, i, bq, 3), _pick(qi, i), _pick(q_sum, i)
+                # A query head's group is folded into the rows: `[b, kv_heads, g * bq, d]`.
+                b, _, g, _, d = q_blk.shape
+                q2 = q_blk.reshape(b, kh, g * bq, d)
                 # Derive the carry from the inputs so that it has their sharding type.
-                zero = jnp.zeros_like(q_blk[..., :1], jnp.float32)
-                init = Softmax(zero - jnp.inf, zero, jnp.zeros_like(q_blk, jnp.float32))
+                zero = jnp.zeros_like(q2[..., :1], jnp.float32)
+                init = Softmax(zero - jnp.inf, zero, jnp.zeros_like(q2, jnp.float32))
 
                 def kv_step(acc, j):
                     k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
                     ki_blk = _pick(ki, j)
 
                     def update(acc):
-                        s, _ = _logits(q_blk, k_blk, qi_blk, ki_blk, score_mod, scale)
+                        s, _ = _logits(q2, k_blk, qi_blk, ki_blk, score_mod, scale, g)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
+                        ok = jnp.broadcast_to(ok, (b, 1, g, bq, bk)).reshape(b, 1, g * bq, bk)
                         pv = functools.partial(_masked_pv, ok=ok)
                         return acc.update(s, ok, v_blk, pv)
 
@@ -227,9 +263,10 @@ class XlaKernel(AbstractAttentionKernel):
                 acc, _ = jax.lax.scan(kv_step, init, jnp.arange(nk))
                 o, lse = acc.finish()
                 out, lse_all = out_lse
+                update = jax.lax.dynamic_update_slice_in_dim
                 return (
-                    jax.lax.dynamic_update_slice_in_dim(out, o, i * bq, 3),
-                    jax.lax.dynamic_update_slice_in_dim(lse_all, lse[..., 0], i * bq, 3),
+                    update(out, o.reshape(q_blk.shape), i * bq, 3),
+                    update(lse_all, lse.reshape(q_blk.shape[:-1]), i * bq, 3),
                 )
 
             out = jnp.zeros_like(qg, jnp.float32)
@@ -280,12 +317,12 @@ class XlaKernel(AbstractAttentionKernel):
                         return _tile_grads(*tiles, *args)
 
                     def skip(_):
-                        zero_q = jnp.zeros_like(blocks[0], jnp.float32)
+                        zero_q = jnp.zeros_like(jnp.moveaxis(blocks[0], -1, 2), jnp.float32)
                         return zero_q, jnp.zeros_like(dk), jnp.zeros_like(dv)
 
                     run = block_rule(mask, _pick(q_sum, i), ks)
                     dq_t, dk_t, dv_t = jax.lax.cond(run, grads, skip, None)
-                    return (_add_tile(dq_all, dq_t, i, bq, 3), dk + dk_t, dv + dv_t), None
+                    return (_add_tile(dq_all, dq_t, i, bq, 4), dk + dk_t, dv + dv_t), None
 
                 dq_all, dk_all, dv_all = grads_all
                 zero_kv = jnp.zeros_like(k_blk, jnp.float32)
@@ -295,10 +332,11 @@ class XlaKernel(AbstractAttentionKernel):
                 return dq_all, update(dk_all, dk, j * bk, 2), update(dv_all, dv, j * bk, 2)
 
             dk0 = jnp.zeros_like(k, jnp.float32)
-            init = (jnp.zeros_like(qs_in[0], jnp.float32), dk0, dk0)
-            dq, dk, dv = _loop(nk, kv_tile, init)
+            # dQ is accumulated as the tiles give it, `[b, kv_heads, d, groups, q]`.
+            dq_t = jnp.zeros_like(jnp.moveaxis(qs_in[0], -1, 2), jnp.float32)
+            dq_t, dk, dv = _loop(nk, kv_tile, (dq_t, dk0, dk0))
             return (
-                _ungrouped(dq, q_len),
+                _ungrouped(jnp.moveaxis(dq_t, 2, -1), q_len),
                 dk[:, :, :kv_len],
                 dv[:, :, :kv_len],
             )
