@@ -37,6 +37,23 @@ def merge_across(
     return merged, lse
 
 
+def _write(keys, values, k, v, slot, axis_name: str):
+    """Write `k`, `v` `[kv_heads, head_dim]` at global `slot` of this device's cache
+    `[kv_heads, C, head_dim]` if the device owns the slot: one slot is read and written
+    (in place), not the whole cache."""
+    c = keys.shape[1]
+    local = slot - jax.lax.axis_index(axis_name) * c
+    mine = (local >= 0) & (local < c)
+    local = jnp.clip(local, 0, c - 1)
+
+    def put(cache, new):
+        old = jax.lax.dynamic_slice_in_dim(cache, local, 1, axis=1)
+        new = jnp.where(mine, new[:, None].astype(cache.dtype), old)
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, local, axis=1)
+
+    return put(keys, k), put(values, v)
+
+
 def decode_attention(
     q: Float[Array, "heads head_dim"],
     k: Float[Array, "kv_heads head_dim"],
@@ -69,11 +86,7 @@ def decode_attention(
     cache_spec = PartitionSpec(None, axis_name)
 
     def local(q, k, v, keys, values, query, records, slot, mask, score_mod):
-        c = keys.shape[1]
-        start = jax.lax.axis_index(axis_name) * c
-        here = (jnp.arange(c, dtype=jnp.int32) + start == slot)[None, :, None]
-        keys = jnp.where(here, k[:, None].astype(keys.dtype), keys)
-        values = jnp.where(here, v[:, None].astype(values.dtype), values)
+        keys, values = _write(keys, values, k, v, slot, axis_name)
         q_info = jax.tree.map(lambda x: x.reshape(1, 1), query)
         kv_info = jax.tree.map(lambda x: x[None], records)
         out, lse = kernel.forward(
