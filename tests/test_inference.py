@@ -12,6 +12,7 @@ from helpers import assert_close, mesh
 
 import ringeqx as rx
 from ringeqx._cli import main as cli_main
+from ringeqx._generate import _arguments, _generate
 from ringeqx._profile import parse_collectives
 
 
@@ -143,6 +144,23 @@ def test_decode_logits_equal_dense_recomputation(shape, names, strategy, samplin
         )
     # New prompt values, key (and order) reuse the compiled program: no retrace.
     assert len(_TRACES) == traced
+    # Inside the compiled decode loop (the scan of STEPS trips): only the merge's
+    # all-reduces, one max and one sum per layer; the ring's permutes are the prefill's.
+    with jax.set_mesh(m):
+        args = _arguments(
+            model,
+            prompts,
+            STEPS,
+            jax.random.key(2),
+            sampling.get("temperature", 0.0),
+            sampling.get("top_k"),
+            strategy,
+            seg,
+            None,
+        )
+        hlo = _generate.lower(*args).compile().compiled.as_text()
+    in_loop = [c.kind for c in parse_collectives(hlo) if STEPS in c.trips]
+    assert in_loop == ["all-reduce"] * 4
     assert tokens.shape == again.shape == (2, STEPS)
     assert logits.shape == (2, STEPS, VOCAB)
     full = jnp.concatenate([prompts, _host(tokens[:, :-1])], axis=1)

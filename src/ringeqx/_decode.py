@@ -87,8 +87,12 @@ def decode_attention(
 
     def local(q, k, v, keys, values, query, records, slot, mask, score_mod):
         keys, values = _write(keys, values, k, v, slot, axis_name)
+        c = keys.shape[1]
+        start = jax.lax.axis_index(axis_name) * c
         q_info = jax.tree.map(lambda x: x.reshape(1, 1), query)
-        kv_info = jax.tree.map(lambda x: x[None], records)
+        # The records come in whole (replicated, which keeps them replicated in a decode
+        # loop: finding a free slot then needs no collective) and each device reads its own.
+        kv_info = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, c)[None], records)
         out, lse = kernel.forward(
             q[None, :, None], keys[None], values[None], q_info, kv_info, mask, score_mod, scale
         )
@@ -99,9 +103,7 @@ def decode_attention(
     out, lse, keys, values = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(replicated,) * 3
-        + (cache_spec, cache_spec, replicated, PartitionSpec(axis_name))
-        + (replicated,) * 3,
+        in_specs=(replicated,) * 3 + (cache_spec, cache_spec) + (replicated,) * 5,
         out_specs=(replicated, replicated, cache_spec, cache_spec),
         check_vma=False,
     )(q, k, v, keys, values, query, records, slot, mask, score_mod)

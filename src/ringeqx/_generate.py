@@ -65,6 +65,25 @@ def _prompt_layout(prompt, strategy, segment_ids, num_shards: int) -> Layout:
     return strategy.layout(prompt.shape[-1], num_shards, segment_ids=segment_ids)
 
 
+def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh):
+    """Check `generate`'s arguments and make those of `_generate` (prompts in layout
+    order with a batch axis, one key per prompt)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an integer >= 1; got {steps!r}.")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
+    axis = model.blocks[0].attention.axis_name
+    mesh = _resolve_mesh(mesh, axis)
+    prompt = jnp.asarray(prompt)
+    layout = _prompt_layout(prompt, strategy, segment_ids, mesh.shape[axis])
+    prompts = prompt if prompt.ndim == 2 else prompt[None]
+    tokens = layout.shard(prompts, axis=-1)
+    keys = jax.random.split(key, prompts.shape[0])
+    batch_axis = "batch" if "batch" in mesh.axis_names else None
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis
+
+
 def generate(
     model: RingTransformerLM,
     prompt: Int[Array, "*batch seq"],
@@ -118,23 +137,8 @@ def generate(
         tokens = ringeqx.generate(model, prompt, 32, jax.random.key(1), temperature=0.8)
     ```
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an integer >= 1; got {steps!r}.")
-    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
-        raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
-    axis = model.blocks[0].attention.axis_name
-    mesh = _resolve_mesh(mesh, axis)
-    prompt = jnp.asarray(prompt)
-    layout = _prompt_layout(prompt, strategy, segment_ids, mesh.shape[axis])
-    batched = prompt.ndim == 2
-    prompts = prompt if batched else prompt[None]
-    tokens = layout.shard(prompts, axis=-1)
-    keys = jax.random.split(key, prompts.shape[0])
-    batch_axis = "batch" if "batch" in mesh.axis_names else None
-    temperature = jnp.asarray(temperature, jnp.float32)
-    out, logits = _generate(
-        model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis
-    )
-    if not batched:
+    args = _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh)
+    out, logits = _generate(*args)
+    if jnp.ndim(prompt) == 1:
         out, logits = out[0], logits[0]
     return (out, logits) if return_logits else out

@@ -3,7 +3,9 @@
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._layout import Layout
@@ -113,6 +115,13 @@ class KVCache(eqx.Module):
                 for f in ("positions", "segments", "spans", "valid")
             )
         )
+
+
+def replicated(records: TokenInfo, mesh) -> TokenInfo:
+    """`records` kept whole on every device. XLA would otherwise shard them like the
+    cache they describe, and then finding the next slot would gather them every step."""
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), records)
 
 
 def _grow(x: Array, axis: int, num_shards: int, capacity: int, fill) -> Array:

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._kvcache import KVCache, cache_capacity, prefill_cache
+from .._kvcache import KVCache, cache_capacity, prefill_cache, replicated
 from .._layout import Layout, contiguous_layout
 from .._ring import _resolve_mesh
 from .._tokens import TokenInfo
@@ -214,7 +214,8 @@ class RingTransformerLM(eqx.Module):
         last = info.valid & (info.positions == layout.seq_len - 1)
         x = jnp.sum(jnp.where(last[:, None], x, 0), axis=0)
         logits = self.head(self.final_norm(x))
-        return logits, prefill_cache(layout, tuple(keys), tuple(values), capacity)
+        cache = prefill_cache(layout, tuple(keys), tuple(values), capacity)
+        return logits, eqx.tree_at(lambda c: c.records, cache, replicated(cache.records, mesh))
 
     def decode(
         self, token: Int[Array, ""], cache: KVCache, *, mesh=None
@@ -243,7 +244,7 @@ class RingTransformerLM(eqx.Module):
         bound = None if None in distances else max(d for d in distances if d is not None)
         slot, ok = cache.next_slot(bound)
         slot = jnp.where(ok, slot, -1)  # a full cache drops the token and says so
-        query, records = cache.query(), cache.write_records(slot)
+        query, records = cache.query(), replicated(cache.write_records(slot), mesh)
         x = self.embedding(token)
         keys, values = [], []
         for block, k, v in zip(self.blocks, cache.keys, cache.values):
