@@ -148,6 +148,8 @@ def _cache(n, p, kv_heads, head_dim, mesh):
     )
     sharded = NamedSharding(mesh, PartitionSpec(None, "sequence"))
     kv = [jax.device_put(x, sharded) for x in kv]
+    # The records stay whole on every device, as in `RingTransformerLM.decode`.
+    records = jax.device_put(records, NamedSharding(mesh, PartitionSpec()))
     query = rx.TokenInfo(jnp.int32(n), jnp.int32(0), jnp.int32(-1), jnp.bool_(True))
     return kv, records, query, jnp.int32(n % p * c + c - 1)
 
