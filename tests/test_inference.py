@@ -105,22 +105,23 @@ def _host(x):
 
 
 @pytest.mark.parametrize(
-    "shape, names, strategy, sampling",
+    "shape, names, explicit, strategy, sampling",
     [
-        ((1,), ("sequence",), rx.Uniform(), dict()),
-        ((3,), ("sequence",), rx.Zigzag(), dict(temperature=1.0, top_k=5)),
-        ((8,), ("sequence",), rx.Zigzag(), dict()),
-        ((2, 4), ("batch", "sequence"), rx.Uniform(), dict(temperature=1.0)),
+        ((1,), ("sequence",), False, rx.Uniform(), dict()),
+        ((3,), ("sequence",), True, rx.Zigzag(), dict(temperature=1.0, top_k=5)),
+        ((8,), ("sequence",), False, rx.Zigzag(), dict()),
+        ((2, 4), ("batch", "sequence"), False, rx.Uniform(), dict(temperature=1.0)),
     ],
 )
-def test_decode_logits_equal_dense_recomputation(shape, names, strategy, sampling):
+def test_decode_logits_equal_dense_recomputation(shape, names, explicit, strategy, sampling):
     # Two prompts of two documents each, batched in one compiled program; every step's
-    # logits (the first from the prefill) equal a dense run over the whole sequence.
+    # logits (the first from the prefill) equal a dense run over the whole sequence. On
+    # Explicit mesh axes the cache is resharded onto the ring as the ring's inputs are.
     model = _model()
     prompts = jax.random.randint(jax.random.key(1), (2, PROMPT), 0, VOCAB)
     cut = jnp.array([[25], [40]])
     seg = (jnp.arange(PROMPT)[None] >= cut).astype(jnp.int32) + jnp.array([[3], [7]])
-    m = mesh(*shape, names=names)
+    m = mesh(*shape, names=names, explicit=explicit)
     before = len(_TRACES)
     with jax.set_mesh(m):
         tokens, logits = rx.generate(

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from ._kernels._base import AbstractAttentionKernel
+from ._kvcache import place
 from ._masks import AbstractMask
 from ._score_mods import AbstractScoreMod, apply_sinks
 from ._tokens import TokenInfo
@@ -100,6 +101,8 @@ def decode_attention(
         return out, lse, keys, values
 
     replicated = PartitionSpec()
+    q, k, v, query, records, slot = place((q, k, v, query, records, slot), mesh, replicated)
+    keys, values = place((keys, values), mesh, cache_spec)
     out, lse, keys, values = jax.shard_map(
         local,
         mesh=mesh,

@@ -5,10 +5,11 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._layout import Layout
+from ._ring import _constrain
 from ._tokens import TokenInfo
 
 
@@ -117,11 +118,19 @@ class KVCache(eqx.Module):
         )
 
 
+def place(tree, mesh, spec: PartitionSpec):
+    """Every array of `tree` on `spec`: resharded where the mesh has Explicit axes (as
+    the ring does with its inputs), a sharding constraint for Auto axes."""
+    if AxisType.Explicit in mesh.axis_types:
+        return jax.tree.map(lambda x: _constrain(x, mesh, spec), tree)
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
 def replicated(records: TokenInfo, mesh) -> TokenInfo:
     """`records` kept whole on every device. XLA would otherwise shard them like the
     cache they describe, and then finding the next slot would gather them every step."""
-    whole = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), records)
+    return place(records, mesh, PartitionSpec())
 
 
 def _grow(x: Array, axis: int, num_shards: int, capacity: int, fill) -> Array:
@@ -176,3 +185,11 @@ def prefill_cache(
         overflow=jnp.zeros((), bool),
         num_shards=p,
     )
+
+
+def place_cache(cache: KVCache, mesh, axis_name: str) -> KVCache:
+    """The cache's keys and values sharded over the ring axis (their slot axis) and its
+    records whole on every device."""
+    kv = place((cache.keys, cache.values), mesh, PartitionSpec(None, axis_name))
+    records = replicated(cache.records, mesh)
+    return eqx.tree_at(lambda c: (c.keys, c.values, c.records), cache, (*kv, records))

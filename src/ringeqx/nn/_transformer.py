@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._kvcache import KVCache, cache_capacity, prefill_cache, replicated
+from .._kvcache import KVCache, cache_capacity, place_cache, prefill_cache, replicated
 from .._layout import Layout, contiguous_layout
 from .._ring import _resolve_mesh
 from .._tokens import TokenInfo
@@ -215,7 +215,7 @@ class RingTransformerLM(eqx.Module):
         x = jnp.sum(jnp.where(last[:, None], x, 0), axis=0)
         logits = self.head(self.final_norm(x))
         cache = prefill_cache(layout, tuple(keys), tuple(values), capacity)
-        return logits, eqx.tree_at(lambda c: c.records, cache, replicated(cache.records, mesh))
+        return logits, place_cache(cache, mesh, axis)
 
     def decode(
         self, token: Int[Array, ""], cache: KVCache, *, mesh=None
