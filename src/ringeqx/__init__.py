@@ -4,12 +4,14 @@ import importlib.metadata
 
 from . import nn as nn
 from ._comm import RingConfig as RingConfig
+from ._generate import generate as generate
 from ._kernels._base import AbstractAttentionKernel as AbstractAttentionKernel
 from ._kernels._pallas_gpu import PallasGpuKernel as PallasGpuKernel
 from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
+from ._kvcache import KVCache as KVCache
 from ._layout import (
     Layout as Layout,
     contiguous_layout as contiguous_layout,

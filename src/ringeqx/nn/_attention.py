@@ -1,17 +1,21 @@
 """`RingAttention`: multi-head (GQA) attention whose sequence is sharded over a ring."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._comm import RingConfig
+from .._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout import Layout
 from .._masks import AbstractMask, Causal
-from .._ring import ring_attention
+from .._ring import _resolve_mesh, ring_attention
 from .._score_mods import AbstractScoreMod
+from .._tokens import TokenInfo
 from ._rope import apply_rope
 
 
@@ -180,3 +184,109 @@ class RingAttention(eqx.Module):
             score_mod=self.score_mod,
         )
         return jax.vmap(self.output_proj)(out.reshape(seq, -1))
+
+    def _project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+        """Queries, keys and values `[seq, heads, head_dim]` of `x` `[seq, dim]`, rotary
+        embeddings applied at `positions`."""
+        seq = x.shape[0]
+
+        def heads(proj, n):
+            return jax.vmap(proj)(x).reshape(seq, n, self.head_dim)
+
+        q = heads(self.query_proj, self.num_heads)
+        k = heads(self.key_proj, self.num_kv_heads)
+        v = heads(self.value_proj, self.num_kv_heads)
+        if self.rope_theta is not None:
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        return q, k, v
+
+    def prefill(
+        self,
+        x: Float[Array, "seq dim"],
+        layout: Layout,
+        *,
+        mesh=None,
+    ) -> tuple[
+        Float[Array, "seq dim"],
+        Float[Array, "kv_heads seq head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
+    ]:
+        """The ring forward of `__call__` on `x` in layout order, which also returns
+        the keys and values it attended to, for a [`ringeqx.KVCache`][].
+
+        **Returns:** `(out, keys, values)`: `out` as `__call__` gives it, and keys
+        (rotary embeddings applied) and values heads-major `[kv_heads, seq, head_dim]`,
+        in layout order.
+        """
+        _check_x(x, self.query_proj.in_features)
+        q, k, v = self._project(x, layout.token_info().positions)
+        out = ring_attention(
+            q,
+            k,
+            v,
+            mask=self.mask,
+            sinks=self.sinks,
+            layout=layout,
+            mesh=mesh,
+            axis_name=self.axis_name,
+            kernel=self.kernel,
+            config=self.config,
+            score_mod=self.score_mod,
+        )
+        out = jax.vmap(self.output_proj)(out.reshape(x.shape[0], -1))
+        return out, jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
+
+    def decode(
+        self,
+        x: Float[Array, " dim"],
+        keys: Float[Array, "kv_heads slots head_dim"],
+        values: Float[Array, "kv_heads slots head_dim"],
+        query: TokenInfo,
+        records: TokenInfo,
+        slot: Int[Array, ""],
+        *,
+        mesh=None,
+    ) -> tuple[
+        Float[Array, " dim"],
+        Float[Array, "kv_heads slots head_dim"],
+        Float[Array, "kv_heads slots head_dim"],
+    ]:
+        """Attention of one new token over a sequence-sharded cache (one decode step).
+
+        The token's key and value are written at `slot` (on the device that owns it);
+        every device attends the query to its own slots with this layer's kernel, mask,
+        score modifier and sinks, and the partial results are merged across the ring
+        by one max and one sum reduction (no collective-permute).
+        [`ringeqx.nn.RingTransformerLM.decode`][] calls it for every layer.
+
+        **Arguments:**
+
+        - `x`: the new token's activations `[dim]`.
+        - `keys`, `values`: this layer's cache arrays (see [`ringeqx.KVCache`][]).
+        - `query`: the new token's records (scalars); `records`: every slot's, the new
+            token already written at `slot`.
+        - `slot`: where the token goes; `mesh`: as in `__call__`.
+
+        **Returns:** `(out, keys, values)`: the output `[dim]` and the updated cache.
+        """
+        mesh = _resolve_mesh(mesh, self.axis_name)
+        q, k, v = self._project(x[None], query.positions[None])
+        out, keys, values = decode_attention(
+            q[0],
+            k[0],
+            v[0],
+            keys,
+            values,
+            query,
+            records,
+            slot,
+            mask=self.mask,
+            score_mod=self.score_mod,
+            sinks=self.sinks,
+            kernel=self.kernel,
+            scale=1.0 / math.sqrt(self.head_dim),
+            mesh=mesh,
+            axis_name=self.axis_name,
+        )
+        return self.output_proj(out.reshape(-1)), keys, values

@@ -5,7 +5,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._layout import Layout
+from .._kvcache import KVCache, cache_capacity, place_cache, prefill_cache, replicated
+from .._layout import Layout, contiguous_layout
+from .._ring import _resolve_mesh
+from .._tokens import TokenInfo
 from ._attention import RingAttention
 
 
@@ -49,6 +52,44 @@ class TransformerBlock(eqx.Module):
         h = jax.vmap(self.mlp_norm)(x)
         h = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
         return x + h
+
+    def _mlp(self, x: Array) -> Array:
+        h = jax.vmap(self.mlp_norm)(x)
+        return x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
+
+    def prefill(
+        self, x: Float[Array, "seq dim"], layout: Layout, *, mesh=None
+    ) -> tuple[
+        Float[Array, "seq dim"],
+        Float[Array, "kv_heads seq head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
+    ]:
+        """`__call__` on `x` in layout order, also returning the attention's keys and
+        values (see [`ringeqx.nn.RingAttention.prefill`][])."""
+        h = jax.vmap(self.attention_norm)(x)
+        out, keys, values = self.attention.prefill(h, layout, mesh=mesh)
+        return self._mlp(x + out), keys, values
+
+    def decode(
+        self,
+        x: Float[Array, " dim"],
+        keys: Float[Array, "kv_heads slots head_dim"],
+        values: Float[Array, "kv_heads slots head_dim"],
+        query: TokenInfo,
+        records: TokenInfo,
+        slot: Int[Array, ""],
+        *,
+        mesh=None,
+    ) -> tuple[
+        Float[Array, " dim"],
+        Float[Array, "kv_heads slots head_dim"],
+        Float[Array, "kv_heads slots head_dim"],
+    ]:
+        """One decode step of the block for a new token `x` `[dim]` (see
+        [`ringeqx.nn.RingAttention.decode`][])."""
+        h = self.attention_norm(x)
+        out, keys, values = self.attention.decode(h, keys, values, query, records, slot, mesh=mesh)
+        return self._mlp((x + out)[None])[0], keys, values
 
 
 class RingTransformerLM(eqx.Module):
@@ -125,6 +166,102 @@ class RingTransformerLM(eqx.Module):
             x = (eqx.filter_checkpoint(run) if self.checkpoint else run)(block, x)
         x = jax.vmap(self.final_norm)(x)
         return jax.vmap(self.head)(x)
+
+    def prefill(
+        self,
+        tokens: Int[Array, " seq"],
+        layout: Layout | None = None,
+        *,
+        segment_ids: Int[Array, " seq"] | None = None,
+        max_new_tokens: int = 0,
+        mesh=None,
+    ) -> tuple[Float[Array, " vocab"], KVCache]:
+        """Run a prompt through the ring, exactly as in training, and keep its keys and
+        values: the first step of generation.
+
+        **Arguments:**
+
+        - `tokens`: the prompt `[seq]`, in layout order when `layout` is given (any
+            strategy's layout: `Zigzag`, `Uniform`, ...).
+        - `layout`: the prompt's [`ringeqx.Layout`][] (default: contiguous shards, as
+            `__call__` uses, made from `segment_ids`).
+        - `segment_ids`: document ids in original order, without a layout only.
+        - `max_new_tokens`: how many tokens the cache must take after the prompt; each
+            device gets `ceil(max_new_tokens / devices)` free slots.
+        - `mesh`: the device mesh (default: the one set by `jax.set_mesh`).
+
+        **Returns:** `(logits, cache)`: the logits `[vocab]` that follow the prompt's
+        last token, and the filled [`ringeqx.KVCache`][], sharded over the ring.
+        """
+        axis = self.blocks[0].attention.axis_name
+        mesh = _resolve_mesh(mesh, axis)
+        if layout is None:
+            layout = contiguous_layout(tokens.shape[0], mesh.shape[axis], segment_ids=segment_ids)
+            tokens = layout.shard(tokens)
+        elif segment_ids is not None:
+            raise ValueError(
+                "Pass `segment_ids` to the strategy that builds the layout, not to "
+                "prefill together with `layout=`."
+            )
+        capacity = cache_capacity(layout, max_new_tokens)
+        x = jax.vmap(self.embedding)(tokens)
+        keys, values = [], []
+        for block in self.blocks:
+            x, k, v = block.prefill(x, layout, mesh=mesh)
+            keys.append(k)
+            values.append(v)
+        info = layout.token_info()
+        last = info.valid & (info.positions == layout.seq_len - 1)
+        x = jnp.sum(jnp.where(last[:, None], x, 0), axis=0)
+        logits = self.head(self.final_norm(x))
+        cache = prefill_cache(layout, tuple(keys), tuple(values), capacity)
+        return logits, place_cache(cache, mesh, axis)
+
+    def decode(
+        self, token: Int[Array, ""], cache: KVCache, *, mesh=None
+    ) -> tuple[Float[Array, " vocab"], KVCache]:
+        """One generation step: append `token` (at position `cache.length`) to the
+        cache and return the logits of the token after it.
+
+        The token's query is computed on every device (it is small), each device attends
+        to its own slots of the cache, and the partial results are merged across the ring
+        by one max and one sum reduction: the compiled step has no collective-permute.
+        Exact: the logits equal those of `__call__` on the whole sequence, as long as
+        the cache has room: a token that finds no free slot (and none to evict) is
+        dropped and sets `cache.overflow`, which the caller checks after its loop.
+
+        **Returns:** `(logits, cache)`: logits `[vocab]` and the advanced cache.
+        """
+        axis = self.blocks[0].attention.axis_name
+        mesh = _resolve_mesh(mesh, axis)
+        if cache.num_shards != mesh.shape[axis] or cache.num_layers != len(self.blocks):
+            raise ValueError(
+                f"The cache has {cache.num_shards} shards and {cache.num_layers} layers; "
+                f"the ring axis {axis!r} has {mesh.shape[axis]} devices and the model "
+                f"{len(self.blocks)} layers; they must be equal."
+            )
+        distances = [b.attention.mask.max_distance() for b in self.blocks]
+        bound = None if None in distances else max(d for d in distances if d is not None)
+        slot, ok = cache.next_slot(bound)
+        slot = jnp.where(ok, slot, -1)  # a full cache drops the token and says so
+        query, records = cache.query(), replicated(cache.write_records(slot), mesh)
+        x = self.embedding(token)
+        keys, values = [], []
+        for block, k, v in zip(self.blocks, cache.keys, cache.values):
+            x, k, v = block.decode(x, k, v, query, records, slot, mesh=mesh)
+            keys.append(k)
+            values.append(v)
+        logits = self.head(self.final_norm(x))
+        cache = KVCache(
+            tuple(keys),
+            tuple(values),
+            records,
+            cache.length + 1,
+            cache.segment,
+            cache.overflow | ~ok,
+            cache.num_shards,
+        )
+        return logits, cache
 
     def loss(
         self,

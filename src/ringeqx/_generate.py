@@ -1,0 +1,144 @@
+"""`generate`: ring prefill, then one compiled `lax.scan` of decode steps."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from ._layout import Layout
+from ._ring import _resolve_mesh
+from ._strategies._base import AbstractShardingStrategy
+from ._strategies._uniform import Uniform
+from .nn._transformer import RingTransformerLM
+
+
+def sample(
+    logits: Float[Array, " vocab"],
+    key: PRNGKeyArray,
+    temperature: Float[ArrayLike, ""],
+    top_k: int | None,
+) -> Int[Array, ""]:
+    """Greedy (`temperature == 0`) or temperature sampling, among the `top_k` largest
+    logits when `top_k` is given."""
+    logits = logits.astype(jnp.float32)
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    t = jnp.asarray(temperature, jnp.float32)
+    hot = t > 0
+    drawn = jax.random.categorical(key, logits / jnp.where(hot, t, 1.0))
+    return jnp.where(hot, drawn, jnp.argmax(logits)).astype(jnp.int32)
+
+
+@eqx.filter_jit
+def _generate(model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis):
+    """Prefill and `steps` decode steps for a batch of prompts in layout order; one
+    compiled program per shape (the decode step is traced once, inside the scan)."""
+
+    def one(tokens, layout, key):
+        logits, cache = model.prefill(tokens, layout, max_new_tokens=steps, mesh=mesh)
+
+        def step(carry, key):
+            logits, cache = carry
+            token = sample(logits, key, temperature, top_k)
+            new_logits, cache = model.decode(token, cache, mesh=mesh)
+            return (new_logits, cache), (token, logits.astype(jnp.float32))
+
+        init = (logits, cache)
+        (_, cache), (out, seen) = jax.lax.scan(step, init, jax.random.split(key, steps))
+        out = eqx.error_if(out, cache.overflow, "KVCache overflow: a token was dropped.")
+        return out, seen
+
+    layout_axis = 0 if layout.batch_shape else None
+    return jax.vmap(one, in_axes=(0, layout_axis, 0), spmd_axis_name=batch_axis)(
+        tokens, layout, keys
+    )
+
+
+def _prompt_layout(prompt, strategy, segment_ids, num_shards: int) -> Layout:
+    if prompt.ndim not in (1, 2) or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(
+            "`prompt` must be an integer array [seq] or [batch, seq]; got "
+            f"{prompt.dtype} of shape {prompt.shape}."
+        )
+    strategy = Uniform() if strategy is None else strategy
+    return strategy.layout(prompt.shape[-1], num_shards, segment_ids=segment_ids)
+
+
+def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh):
+    """Check `generate`'s arguments and make those of `_generate` (prompts in layout
+    order with a batch axis, one key per prompt)."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"`steps` must be an integer >= 1; got {steps!r}.")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+        raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
+    axis = model.blocks[0].attention.axis_name
+    mesh = _resolve_mesh(mesh, axis)
+    prompt = jnp.asarray(prompt)
+    layout = _prompt_layout(prompt, strategy, segment_ids, mesh.shape[axis])
+    prompts = prompt if prompt.ndim == 2 else prompt[None]
+    tokens = layout.shard(prompts, axis=-1)
+    keys = jax.random.split(key, prompts.shape[0])
+    batch_axis = "batch" if "batch" in mesh.axis_names else None
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis
+
+
+def generate(
+    model: RingTransformerLM,
+    prompt: Int[Array, "*batch seq"],
+    steps: int,
+    key: PRNGKeyArray,
+    *,
+    temperature: Float[ArrayLike, ""] = 0.0,
+    top_k: int | None = None,
+    strategy: AbstractShardingStrategy | None = None,
+    segment_ids: Int[Array, "*#batch seq"] | None = None,
+    mesh=None,
+    return_logits: bool = False,
+) -> (
+    Int[Array, "*batch steps"]
+    | tuple[Int[Array, "*batch steps"], Float[Array, "*batch steps vocab"]]
+):
+    """Generate `steps` tokens after `prompt`: a ring prefill, then exact decoding.
+
+    The prompt runs through the ring as in training, in the layout `strategy` gives it,
+    and fills a [`ringeqx.KVCache`][] sharded over the ring. Each decode step then
+    attends the new token to the cache on every device at once and merges the partial
+    results by one max and one sum reduction
+    ([`ringeqx.nn.RingTransformerLM.decode`][]). Prefill and every step compile into one
+    program (a `lax.scan` over the steps): calling again with prompts of the same shape
+    does not recompile, whatever the values, key or temperature.
+
+    **Arguments:**
+
+    - `model`: a [`ringeqx.nn.RingTransformerLM`][].
+    - `prompt`: `int[seq]`, or `int[batch, seq]` for a batch of prompts (mapped with
+        `jax.vmap`; sharded over the mesh axis `"batch"` when the mesh has one).
+    - `steps`: how many tokens to generate (static).
+    - `key`: a `jax.random` key (unused by greedy decoding).
+    - `temperature`: 0 for greedy decoding (argmax), else the softmax temperature.
+    - `top_k`: sample among the `top_k` largest logits only (static), or None.
+    - `strategy`: how the prompt is placed on the ring (default
+        [`ringeqx.Uniform`][]); any strategy works, `Zigzag` balances causal prefill.
+    - `segment_ids`: document ids of the prompt `[seq]` or `[batch, seq]`; generated
+        tokens continue the prompt's last document.
+    - `mesh`: the device mesh (default: the one set by `jax.set_mesh`).
+    - `return_logits`: also return the float32 logits each token was drawn from.
+
+    **Returns:** the generated tokens `int32[*batch, steps]`, and with
+    `return_logits=True` their logits `float32[*batch, steps, vocab]` too.
+
+    **Example:**
+
+    ```python
+    model = ringeqx.nn.RingTransformerLM(256, 64, 4, 2, key=jax.random.key(0))
+    with jax.set_mesh(jax.make_mesh((8,), ("sequence",))):
+        tokens = ringeqx.generate(model, prompt, 32, jax.random.key(1), temperature=0.8)
+    ```
+    """
+    args = _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh)
+    out, logits = _generate(*args)
+    if jnp.ndim(prompt) == 1:
+        out, logits = out[0], logits[0]
+    return (out, logits) if return_logits else out
