@@ -12,7 +12,9 @@ Not catchable, and so documented here rather than tested:
   cannot be checked at trace time; the checks are skipped for them, never failing.
 - A layout built by a strategy for another sequence length whose sharded length
   (`num_shards * capacity`) happens to equal the input's length is indistinguishable from
-  input already in layout order; only a different length is caught.
+  input already in layout order; only a different length is caught. Where the input's
+  length is both the layout's original and its sharded length, the order must be stated
+  (`order=`).
 - `check_mask` is randomised: it finds a non-conservative block rule with high
   probability on small blocks, not with certainty.
 """
@@ -236,3 +238,72 @@ def test_layout_for_another_length():
     layout = rx.Zigzag().layout(32, 2)
     with pytest.raises(ValueError, match=r"capacity = 32; got seq 16"):
         _call(layout=layout)
+
+
+ZIGZAG = rx.Zigzag().layout(SEQ, 2)  # capacity 8: original and sharded length are both 16
+
+
+def test_ambiguous_order_must_be_stated():
+    match = (
+        r"With `layout=`, q/k/v of seq 16 may be in either order .* pass `order='layout'` "
+        r"if they are already in layout order .* or `order='original'` if they are in the "
+        r"original token order"
+    )
+    with pytest.raises(ValueError, match=match):
+        _call(layout=ZIGZAG)
+
+
+_LAYOUT_14, _LAYOUT_15 = rx.Zigzag().layout(14, 2), rx.Zigzag().layout(15, 2)
+
+
+@pytest.mark.parametrize(
+    "misuse, kw, match",
+    [
+        (
+            "stated layout order, original length",
+            {"layout": _LAYOUT_14, "order": "layout"},
+            r"With `order='layout'`, q/k/v must have seq = num_shards \* capacity = 16; "
+            r"got seq 14",
+        ),
+        (
+            "stated original order, sharded length",
+            {"layout": _LAYOUT_15, "order": "original"},
+            r"With `order='original'`, q/k/v must have seq = the layout's seq_len = 15; "
+            r"got seq 14",
+        ),
+        (
+            "layout order without a layout",
+            {"order": "layout"},
+            r"`order='layout'` needs a `layout=`",
+        ),
+        (
+            "unknown order",
+            {"layout": ZIGZAG, "order": "sharded"},
+            r"`order` must be 'layout', 'original' or None; got 'sharded'",
+        ),
+        (
+            "original length, no order",
+            {"layout": _LAYOUT_14},
+            r"got seq 14\. Use `layout.shard` or pass `order='original'`",
+        ),
+    ],
+)
+def test_stated_order_must_fit_the_length(misuse, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _call(Q[:14], K[:14], V[:14], **kw)
+
+
+def test_both_orders_give_the_reference():
+    mask = rx.Causal()
+    want = rx.reference_attention(Q, K, V, mask=mask)
+    laid = _call(*(ZIGZAG.shard(x) for x in (Q, K, V)), layout=ZIGZAG, order="layout", mask=mask)
+    np.testing.assert_allclose(ZIGZAG.unshard(laid), want, rtol=1e-5, atol=1e-5)
+    # Original order: sharded and unsharded inside, on Explicit axes too (the gathers say
+    # their sharding), and with a padded layout (14 tokens, capacity 8).
+    explicit = mesh(2, explicit=True)
+    original = _call(layout=ZIGZAG, order="original", mask=mask, mesh=explicit)
+    np.testing.assert_allclose(original, want, rtol=1e-5, atol=1e-5)
+    padded = rx.Zigzag().layout(14, 2)
+    short = _call(Q[:14], K[:14], V[:14], layout=padded, order="original", mask=mask)
+    want = rx.reference_attention(Q[:14], K[:14], V[:14], mask=mask)
+    np.testing.assert_allclose(short, want, rtol=1e-5, atol=1e-5)
