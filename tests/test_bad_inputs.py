@@ -186,6 +186,34 @@ def test_masked_nan_key_and_value_do_not_leak_into_gradients():
         np.testing.assert_allclose(g[:-1], w[:-1], rtol=1e-5, atol=1e-5)
 
 
+PALLAS = [
+    ("pallas_gpu", rx.PallasGpuKernel(16, 16, interpret=True)),
+    ("pallas_tpu", rx.PallasTpuKernel(8, 128, interpret=True)),
+]
+
+
+@pytest.mark.parametrize("name, kernel", PALLAS)
+def test_masked_non_finite_rows_do_not_leak_in_pallas_kernels(name, kernel):
+    # The Pallas kernels' tiles (16 and 128 keys) hold the masked last key beside keys
+    # that every row of its shard attends: the 0 x NaN of P @ V, dP = dO V^T and dS K.
+    q, k, v = qkv(jax.random.key(2), (), SEQ, HEADS, HEADS, 64)  # head_dim both can run
+    bad_k, bad_v = k.at[-1].set(jnp.nan), v.at[-1].set(jnp.inf)
+    ct = jnp.ones_like(q).at[-1].set(0.0)
+
+    def out_and_grads(q, k, v, call):
+        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, mask=rx.Causal()), q, k, v)
+        return out, vjp(ct)
+
+    ring = jax.jit(lambda *a: out_and_grads(*a, lambda *b, **kw: _call(*b, kernel=kernel, **kw)))
+    out, (dq, _, dv) = ring(q, bad_k, bad_v)
+    zero_k, zero_v = k.at[-1].set(0.0), v.at[-1].set(0.0)
+    want, (want_dq, _, want_dv) = out_and_grads(q, zero_k, zero_v, rx.reference_attention)
+    assert bool(jnp.all(jnp.isnan(out[-1])))  # the last row attends the bad key: NaN
+    for got, w in ((out, want), (dq, want_dq), (dv, want_dv)):
+        assert bool(jnp.all(jnp.isfinite(got[:-1])))
+        np.testing.assert_allclose(got[:-1], w[:-1], rtol=1e-5, atol=1e-5)
+
+
 # 5. Vague errors made specific.
 
 
