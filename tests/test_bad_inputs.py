@@ -19,6 +19,8 @@ Not catchable, and so documented here rather than tested:
   probability on small blocks, not with certainty.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import jaxtyping
@@ -70,6 +72,24 @@ INT = "must be an integer >= 1"
 def test_array_values_are_checked(misuse, make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_scalar_arrays_in_static_fields_get_our_error_and_no_warning():
+    # Equinox warns about an array set as a static field after the field's converter;
+    # the converter turns a concrete scalar array into a Python number first.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=f"SlidingWindow `window` {INT}; got 0\\."):
+            rx.SlidingWindow(jnp.array(0))
+        with pytest.raises(ValueError, match=f"SlidingWindow `window` {INT}; got 2.5"):
+            rx.SlidingWindow(jnp.array(2.5))
+        with pytest.raises(ValueError, match=f"XlaKernel `block_kv` {INT}; got -1"):
+            rx.XlaKernel(8, np.array(-1))
+        window = rx.SlidingWindow(jnp.array(4)).window
+        kernel = rx.XlaKernel(jnp.array(8, jnp.int32), np.array(16))
+    assert [str(w.message) for w in caught] == []
+    assert (window, type(window)) == (4, int)
+    assert (kernel.block_q, kernel.block_kv, type(kernel.block_q)) == (8, 16, int)
 
 
 def test_traced_cap_is_not_checked():
@@ -156,6 +176,70 @@ def test_check_mask_with_given_ids():
     rx.check_mask(rx.Document(), 16, samples=2, segment_ids=seg)
 
 
+class _BlindToSmallBlocks(rx.AbstractMask):
+    """Causal, but its block rule says False for blocks of at most 4 positions."""
+
+    def allows(self, q, k):
+        return q.positions >= k.positions
+
+    def may_attend(self, q, k):
+        return (q.pos_max >= k.pos_min) & (q.pos_max - q.pos_min >= 4)
+
+    def max_distance(self):
+        return None
+
+    def max_lookahead(self):
+        return None
+
+    def check(self, seq_len):
+        pass
+
+
+def test_check_mask_on_an_actual_layout():
+    # Debug option: the layout's own shards (the ring's blocks) and tiles inside them
+    # (the kernels' blocks), with the layout's own documents; every example if batched.
+    seg = jnp.array([[0] * 10 + [1] * 22, [0] * 20 + [1] * 12])
+    batched = rx.Zigzag().layout(32, 4, segment_ids=seg)
+    rx.check_mask(rx.Causal() & rx.Document(), 32, layout=batched)
+    layout = rx.Zigzag().layout(32, 4)  # shards of two chunks of 4 positions
+    match = (
+        r"_BadCausal.may_attend is not conservative on this layout: it says False for the "
+        r"queries of shard \d and the keys of shard \d, but `allows` lets query position "
+        r"\d+ attend key position \d+"
+    )
+    with pytest.raises(ValueError, match=match):
+        rx.check_mask(_BadCausal(), 32, layout=layout)
+    # Whole shards span more than 4 positions: only the tiles of 4 slots break the rule.
+    tile = r"tile \d \(4 slots\) of shard \d"
+    with pytest.raises(ValueError, match=f"queries of {tile} and the keys of {tile}"):
+        rx.check_mask(_BlindToSmallBlocks(), 32, layout=layout, block=4)
+    rx.check_mask(_BlindToSmallBlocks(), 32, layout=layout, block=8)
+
+
+LAYOUT_32 = rx.Zigzag().layout(32, 4)
+
+
+@pytest.mark.parametrize(
+    "misuse, kw, match",
+    [
+        (
+            "layout of another length",
+            {"layout": rx.Zigzag().layout(16, 4)},
+            r"`layout` was built for seq_len 16; got seq_len 32",
+        ),
+        (
+            "ids with a layout",
+            {"layout": LAYOUT_32, "segment_ids": jnp.zeros(32, jnp.int32)},
+            r"Pass `segment_ids`/`span_ids` to the strategy",
+        ),
+        ("not a layout", {"layout": "zigzag"}, r"`layout` must be a ringeqx.Layout; got str"),
+    ],
+)
+def test_check_mask_layout_misuse(misuse, kw, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        rx.check_mask(rx.Causal(), 32, **kw)
+
+
 # 4. A NaN in a value row that a query never attends stays out of its output.
 
 
@@ -212,6 +296,19 @@ def test_masked_non_finite_rows_do_not_leak_in_pallas_kernels(name, kernel):
     for got, w in ((out, want), (dq, want_dq), (dv, want_dv)):
         assert bool(jnp.all(jnp.isfinite(got[:-1])))
         np.testing.assert_allclose(got[:-1], w[:-1], rtol=1e-5, atol=1e-5)
+
+
+# 4b. Compressed payloads of large magnitude: scaled per block, never inf (no message:
+# the answer is right). The full set of wire formats is in test_comm.py.
+
+
+def test_float16_compression_of_large_values_stays_finite():
+    v = V * 1e5  # past float16's largest finite value, 65504
+    config = rx.RingConfig(compression_dtype=jnp.float16)
+    out = _call(v=v, mask=rx.Causal(), config=config)
+    want = rx.reference_attention(Q, K, v, mask=rx.Causal())
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-3 * float(jnp.max(jnp.abs(want))))
 
 
 # 5. Vague errors made specific.
@@ -322,16 +419,26 @@ def test_stated_order_must_fit_the_length(misuse, kw, match):
 
 
 def test_both_orders_give_the_reference():
-    mask = rx.Causal()
+    mask, padded = rx.Causal(), rx.Zigzag().layout(14, 2)
+
+    @jax.jit
+    def both(q, k, v):
+        laid = _call(
+            *(ZIGZAG.shard(x) for x in (q, k, v)), layout=ZIGZAG, order="layout", mask=mask
+        )
+        original = _call(q, k, v, layout=ZIGZAG, order="original", mask=mask)
+        # A padded layout (14 tokens, capacity 8): sharded and unsharded inside.
+        short = _call(q[:14], k[:14], v[:14], layout=padded, order="original", mask=mask)
+        return ZIGZAG.unshard(laid), original, short
+
     want = rx.reference_attention(Q, K, V, mask=mask)
-    laid = _call(*(ZIGZAG.shard(x) for x in (Q, K, V)), layout=ZIGZAG, order="layout", mask=mask)
-    np.testing.assert_allclose(ZIGZAG.unshard(laid), want, rtol=1e-5, atol=1e-5)
-    # Original order: sharded and unsharded inside, on Explicit axes too (the gathers say
-    # their sharding), and with a padded layout (14 tokens, capacity 8).
-    explicit = mesh(2, explicit=True)
-    original = _call(layout=ZIGZAG, order="original", mask=mask, mesh=explicit)
+    laid, original, short = both(Q, K, V)
+    np.testing.assert_allclose(laid, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(original, want, rtol=1e-5, atol=1e-5)
-    padded = rx.Zigzag().layout(14, 2)
-    short = _call(Q[:14], K[:14], V[:14], layout=padded, order="original", mask=mask)
-    want = rx.reference_attention(Q[:14], K[:14], V[:14], mask=mask)
-    np.testing.assert_allclose(short, want, rtol=1e-5, atol=1e-5)
+    want_short = rx.reference_attention(Q[:14], K[:14], V[:14], mask=mask)
+    np.testing.assert_allclose(short, want_short, rtol=1e-5, atol=1e-5)
+    # On Explicit mesh axes the gathers of `Layout.shard`/`unshard` must say their
+    # sharding: ring_attention does that for them.
+    explicit = mesh(2, explicit=True)
+    call = jax.jit(lambda *a: _call(*a, layout=ZIGZAG, order="original", mask=mask, mesh=explicit))
+    np.testing.assert_allclose(call(Q, K, V), want, rtol=1e-5, atol=1e-5)
