@@ -16,7 +16,8 @@ Not catchable, and so documented here rather than tested:
   length is both the layout's original and its sharded length, the order must be stated
   (`order=`).
 - `check_mask` is randomised: it finds a non-conservative block rule with high
-  probability on small blocks, not with certainty.
+  probability on small blocks, not with certainty. With `layout=` it is exact for that
+  layout (its shards and its tiles of `block` slots).
 """
 
 import warnings

@@ -316,10 +316,7 @@ def _check_layout(layout: Layout, q, mesh, axis_name: str, segment_ids, span_ids
     return layout
 
 
-Order = Literal["layout", "original"]
-
-
-def _input_order(layout: Layout | None, seq: int, order: Order | None) -> Order:
+def _input_order(layout: Layout | None, seq: int, order: str | None) -> str:
     """The order q/k/v of length `seq` are in: the one `order` states, or the one their
     length implies. A length that fits both orders needs `order`; a stated order must
     fit the length."""
@@ -471,7 +468,7 @@ def ring_attention(
     score_mod: AbstractScoreMod | None = None,
     span_ids: Int[Array, "*#batch seq"] | None = None,
     sinks: Float[Array, " heads"] | None = None,
-    order: Order | None = None,
+    order: Literal["layout", "original"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     r"""Exact softmax attention with the sequence sharded over a ring of devices.
 

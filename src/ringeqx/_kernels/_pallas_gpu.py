@@ -82,8 +82,8 @@ def _forward_kernel(
 
         def update(acc):
             s, _ = tiles.logits(q, k_ref[kv, :], qi, ki, score_mod, scale)
-            ok = tiles.allowed(mask, qi, ki)
-            return acc.update(s, ok, v_ref[kv, :], tiles.masked_pv(ok))
+            s, v = tiles.nan_columns(s, v_ref[kv, :])
+            return acc.update(s, tiles.allowed(mask, qi, ki), v)
 
         return jax.lax.cond(run_ref[j] != 0, update, lambda acc: acc, acc)
 
@@ -123,10 +123,10 @@ def _dq_kernel(
 
         def grads(dq):
             k = k_ref[kv, :]
-            _, ds, ok = tiles.tile_grads(
+            _, ds, k_finite = tiles.tile_grads(
                 q, k, v_ref[kv, :], d_out, lse, delta, qi, ki, mask, score_mod, scale
             )
-            return dq + tiles.masked_dq(ds, k, ok)
+            return dq + tiles.matmul(ds.astype(k.dtype), k_finite)
 
         return jax.lax.cond(run_ref[j] != 0, grads, lambda dq: dq, dq)
 

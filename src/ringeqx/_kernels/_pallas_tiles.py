@@ -353,56 +353,34 @@ def logits(
     return s, lambda ds: vjp(ds)[0]
 
 
-# Rows of ones that `_bad_rows` multiplies by: 16, Triton's smallest matmul side (and a
-# multiple of Mosaic's sublanes for every dtype).
+# Rows of ones that `nan_columns` multiplies by: 16, Triton's smallest matmul side (and
+# a multiple of Mosaic's sublanes for every dtype).
 _ROWS = 16
 
 
-def _finite_rows(x: Array) -> tuple[Array, Array]:
-    """`x` (`[rows, d]`) with its non-finite entries zeroed, and `[1, rows]` float32: 1
-    where a row had one.
+def nan_columns(s: Array, x: Array) -> tuple[Array, Array]:
+    """For a tile of logits `s` (`[bq, bk]`) and a key-side tile `x` (`[bk, d]`, K or
+    V): `s` with NaN in the columns whose row of `x` is not finite, and `x` with its
+    non-finite values zeroed.
 
-    The row flags are laid along lanes, as a key tile's are, by a small matmul with ones
-    (`[16, d] @ x.T`, then a max over sublanes): a reduction over `d` would leave them
-    along sublanes, and moving them to lanes is a transpose that the kernels avoid.
+    Masked pairs then contribute exactly nothing: the mask replaces their logits (or
+    zeroes their probabilities), and 0 x a zeroed value is 0, where 0 x NaN was NaN.
+    A query row that does attend a non-finite key or value row still gets NaN, through
+    its logits, as in `XlaKernel` and dense attention. The cost: one add on the score
+    tile, a select on `x` and a `[16, d] @ x.T` matmul per key tile.
+
+    The row flags reach the columns of `s` (lanes) through that small matmul with ones
+    and a max over its rows (sublanes): a reduction over `d` would leave them along
+    sublanes, and moving them to lanes is a transpose, which the kernels avoid.
     """
     # In float32 (Mosaic's is_finite takes float32 only), cast back after the select.
     x32 = x.astype(jnp.float32)
     finite = jnp.isfinite(x32)
-    bad = jnp.where(finite, 0.0, 1.0)
     ones = jnp.ones((_ROWS, x.shape[-1]), jnp.float32)
+    bad = jnp.where(finite, 0.0, 1.0)
     counts = jax.lax.dot_general(ones, bad, _NT, preferred_element_type=jnp.float32)
-    flags = jnp.where(jnp.max(counts, axis=0, keepdims=True) > 0, 1.0, 0.0)
-    return jnp.where(finite, x32, 0.0).astype(x.dtype), flags
-
-
-def _nan_where_attends(out: Array, ok: Array, flags: Array) -> Array:
-    """`out` (`[bq, d]`) with NaN in the query rows whose attending pairs (`ok`,
-    `[bq, bk]`) include a flagged key row (`flags`, `[1, bk]` from `_finite_rows`)."""
-    hit = jnp.max(jnp.where(ok, flags, 0.0), axis=-1, keepdims=True)
-    # Float maths only (NaN + x): no boolean broadcast along lanes.
-    return out + jnp.where(hit > 0, jnp.nan, 0.0)
-
-
-def masked_pv(ok: Array) -> Callable[[Array, Array], Array]:
-    """The `pv` of `Softmax.update` for a tile whose attending pairs are `ok`: `p @ v`
-    in which masked pairs contribute exactly nothing. Their probabilities are already 0,
-    but 0 x NaN is NaN: non-finite values are zeroed, and NaN is given back only to the
-    query rows that attend their key rows (as `XlaKernel` does)."""
-
-    def pv(p: Array, v: Array) -> Array:
-        v_finite, flags = _finite_rows(v)
-        return _nan_where_attends(matmul(p, v_finite), ok, flags)
-
-    return pv
-
-
-def masked_dq(ds: Array, k: Array, ok: Array) -> Array:
-    """`ds @ k` (`[bq, d]` float32, the tile's dQ) in which masked pairs contribute
-    exactly nothing: non-finite keys are zeroed, and NaN is given back only to the query
-    rows that attend their key rows."""
-    k_finite, flags = _finite_rows(k)
-    return _nan_where_attends(matmul(ds.astype(k.dtype), k_finite), ok, flags)
+    nan = jnp.where(jnp.max(counts, axis=0, keepdims=True) > 0, jnp.nan, 0.0)
+    return s + nan, jnp.where(finite, x32, 0.0).astype(x.dtype)
 
 
 def tile_grads(
@@ -420,15 +398,17 @@ def tile_grads(
 ) -> tuple[Array, Array, Array]:
     """Probabilities `p` (from the global lse, `[bq, 1]` with -inf replaced by 0) and
     the logit gradients `ds` of one tile, both `[bq, bk]` float32 (Flash Attention 2),
-    and which pairs attend (`ok`, for `masked_dq`)."""
+    and `k` with its non-finite values zeroed (`nan_columns`), for dQ = dS K: masked
+    pairs contribute exactly nothing to any of them."""
     s, mod_vjp = logits(q, k, qi, ki, score_mod, scale)
+    s, k_finite = nan_columns(s, k)
     ok = allowed(mask, qi, ki)
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     dp = jax.lax.dot_general(d_out, v, _NT, preferred_element_type=jnp.float32)
-    # Masked pairs contribute exactly nothing, a non-finite value row included.
+    # A non-finite value row makes its column of dP non-finite: masked pairs drop it.
     dp = jnp.where(ok, dp, 0.0)
     ds = mod_vjp(p * (dp - delta)) * scale
-    return p, ds, ok
+    return p, ds, k_finite
 
 
 def matmul_tn(a: Array, b: Array) -> Array:

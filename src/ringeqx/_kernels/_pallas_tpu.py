@@ -116,8 +116,8 @@ def _forward_kernel(
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
         acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
-        ok = tiles.allowed(mask, qi, ki)
-        acc = acc.update(s, ok, v_ref[...], tiles.masked_pv(ok))
+        s, v = tiles.nan_columns(s, v_ref[...])
+        acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
         m_ref[...] = _lanes(acc.m)
         total_ref[...] = _lanes(acc.total)
         acc_ref[...] = acc.acc
@@ -161,7 +161,7 @@ def _dq_kernel(
     def _grads():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         k = k_ref[...]
-        _, ds, ok = tiles.tile_grads(
+        _, ds, k_finite = tiles.tile_grads(
             q_ref[...],
             k,
             v_ref[...],
@@ -174,7 +174,7 @@ def _dq_kernel(
             mod,
             scale,
         )
-        dq_acc[...] += tiles.masked_dq(ds, k, ok)
+        dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k_finite)
 
     @pl.when(j == num_kv - 1)
     def _finish():
