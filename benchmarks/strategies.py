@@ -139,7 +139,14 @@ def causal_timing(n, p, heads, head_dim, block, reps):
         def step(q, k, v, ct):
             def loss(q, k, v):
                 out = rx.ring_attention(
-                    q, k, v, mask=rx.Causal(), layout=layout, mesh=mesh, kernel=kernel
+                    q,
+                    k,
+                    v,
+                    mask=rx.Causal(),
+                    layout=layout,
+                    order="layout",
+                    mesh=mesh,
+                    kernel=kernel,
                 )
                 return jnp.sum(out * ct)
 

@@ -437,7 +437,7 @@ def _compare(c_static, kernel, mesh, layout, arrays):
         out = rx.ring_attention(
             shard(q), shard(k), shard(v),
             mask=ring_mask(c.mask, iter(arrays["mask_params"])),
-            layout=layout, mesh=mesh, kernel=kernel, config=config, score_mod=mod,
+            layout=layout, order="layout", mesh=mesh, kernel=kernel, config=config, score_mod=mod,
             sinks=sinks if c.sinks else None,
         )
         return unshard(out)

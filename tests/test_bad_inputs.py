@@ -12,10 +12,15 @@ Not catchable, and so documented here rather than tested:
   cannot be checked at trace time; the checks are skipped for them, never failing.
 - A layout built by a strategy for another sequence length whose sharded length
   (`num_shards * capacity`) happens to equal the input's length is indistinguishable from
-  input already in layout order; only a different length is caught.
+  input already in layout order; only a different length is caught. Where the input's
+  length is both the layout's original and its sharded length, the order must be stated
+  (`order=`).
 - `check_mask` is randomised: it finds a non-conservative block rule with high
-  probability on small blocks, not with certainty.
+  probability on small blocks, not with certainty. With `layout=` it is exact for that
+  layout (its shards and its tiles of `block` slots).
 """
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +73,24 @@ INT = "must be an integer >= 1"
 def test_array_values_are_checked(misuse, make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_scalar_arrays_in_static_fields_get_our_error_and_no_warning():
+    # Equinox warns about an array set as a static field after the field's converter;
+    # the converter turns a concrete scalar array into a Python number first.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=f"SlidingWindow `window` {INT}; got 0\\."):
+            rx.SlidingWindow(jnp.array(0))
+        with pytest.raises(ValueError, match=f"SlidingWindow `window` {INT}; got 2.5"):
+            rx.SlidingWindow(jnp.array(2.5))
+        with pytest.raises(ValueError, match=f"XlaKernel `block_kv` {INT}; got -1"):
+            rx.XlaKernel(8, np.array(-1))
+        window = rx.SlidingWindow(jnp.array(4)).window
+        kernel = rx.XlaKernel(jnp.array(8, jnp.int32), np.array(16))
+    assert [str(w.message) for w in caught] == []
+    assert (window, type(window)) == (4, int)
+    assert (kernel.block_q, kernel.block_kv, type(kernel.block_q)) == (8, 16, int)
 
 
 def test_traced_cap_is_not_checked():
@@ -154,6 +177,70 @@ def test_check_mask_with_given_ids():
     rx.check_mask(rx.Document(), 16, samples=2, segment_ids=seg)
 
 
+class _BlindToSmallBlocks(rx.AbstractMask):
+    """Causal, but its block rule says False for blocks of at most 4 positions."""
+
+    def allows(self, q, k):
+        return q.positions >= k.positions
+
+    def may_attend(self, q, k):
+        return (q.pos_max >= k.pos_min) & (q.pos_max - q.pos_min >= 4)
+
+    def max_distance(self):
+        return None
+
+    def max_lookahead(self):
+        return None
+
+    def check(self, seq_len):
+        pass
+
+
+def test_check_mask_on_an_actual_layout():
+    # Debug option: the layout's own shards (the ring's blocks) and tiles inside them
+    # (the kernels' blocks), with the layout's own documents; every example if batched.
+    seg = jnp.array([[0] * 10 + [1] * 22, [0] * 20 + [1] * 12])
+    batched = rx.Zigzag().layout(32, 4, segment_ids=seg)
+    rx.check_mask(rx.Causal() & rx.Document(), 32, layout=batched)
+    layout = rx.Zigzag().layout(32, 4)  # shards of two chunks of 4 positions
+    match = (
+        r"_BadCausal.may_attend is not conservative on this layout: it says False for the "
+        r"queries of shard \d and the keys of shard \d, but `allows` lets query position "
+        r"\d+ attend key position \d+"
+    )
+    with pytest.raises(ValueError, match=match):
+        rx.check_mask(_BadCausal(), 32, layout=layout)
+    # Whole shards span more than 4 positions: only the tiles of 4 slots break the rule.
+    tile = r"tile \d \(4 slots\) of shard \d"
+    with pytest.raises(ValueError, match=f"queries of {tile} and the keys of {tile}"):
+        rx.check_mask(_BlindToSmallBlocks(), 32, layout=layout, block=4)
+    rx.check_mask(_BlindToSmallBlocks(), 32, layout=layout, block=8)
+
+
+LAYOUT_32 = rx.Zigzag().layout(32, 4)
+
+
+@pytest.mark.parametrize(
+    "misuse, kw, match",
+    [
+        (
+            "layout of another length",
+            {"layout": rx.Zigzag().layout(16, 4)},
+            r"`layout` was built for seq_len 16; got seq_len 32",
+        ),
+        (
+            "ids with a layout",
+            {"layout": LAYOUT_32, "segment_ids": jnp.zeros(32, jnp.int32)},
+            r"Pass `segment_ids`/`span_ids` to the strategy",
+        ),
+        ("not a layout", {"layout": "zigzag"}, r"`layout` must be a ringeqx.Layout; got str"),
+    ],
+)
+def test_check_mask_layout_misuse(misuse, kw, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        rx.check_mask(rx.Causal(), 32, **kw)
+
+
 # 4. A NaN in a value row that a query never attends stays out of its output.
 
 
@@ -182,6 +269,47 @@ def test_masked_nan_key_and_value_do_not_leak_into_gradients():
     for g, w in ((got[0], want[0]), (got[2], want[2])):
         assert bool(jnp.all(jnp.isfinite(g[:-1])))
         np.testing.assert_allclose(g[:-1], w[:-1], rtol=1e-5, atol=1e-5)
+
+
+PALLAS = [
+    ("pallas_gpu", rx.PallasGpuKernel(16, 16, interpret=True)),
+    ("pallas_tpu", rx.PallasTpuKernel(8, 128, interpret=True)),
+]
+
+
+@pytest.mark.parametrize("name, kernel", PALLAS)
+def test_masked_non_finite_rows_do_not_leak_in_pallas_kernels(name, kernel):
+    # The Pallas kernels' tiles (16 and 128 keys) hold the masked last key beside keys
+    # that every row of its shard attends: the 0 x NaN of P @ V, dP = dO V^T and dS K.
+    q, k, v = qkv(jax.random.key(2), (), SEQ, HEADS, HEADS, 64)  # head_dim both can run
+    bad_k, bad_v = k.at[-1].set(jnp.nan), v.at[-1].set(jnp.inf)
+    ct = jnp.ones_like(q).at[-1].set(0.0)
+
+    def out_and_grads(q, k, v, call):
+        out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, mask=rx.Causal()), q, k, v)
+        return out, vjp(ct)
+
+    ring = jax.jit(lambda *a: out_and_grads(*a, lambda *b, **kw: _call(*b, kernel=kernel, **kw)))
+    out, (dq, _, dv) = ring(q, bad_k, bad_v)
+    zero_k, zero_v = k.at[-1].set(0.0), v.at[-1].set(0.0)
+    want, (want_dq, _, want_dv) = out_and_grads(q, zero_k, zero_v, rx.reference_attention)
+    assert bool(jnp.all(jnp.isnan(out[-1])))  # the last row attends the bad key: NaN
+    for got, w in ((out, want), (dq, want_dq), (dv, want_dv)):
+        assert bool(jnp.all(jnp.isfinite(got[:-1])))
+        np.testing.assert_allclose(got[:-1], w[:-1], rtol=1e-5, atol=1e-5)
+
+
+# 4b. Compressed payloads of large magnitude: scaled per block, never inf (no message:
+# the answer is right). The full set of wire formats is in test_comm.py.
+
+
+def test_float16_compression_of_large_values_stays_finite():
+    v = V * 1e5  # past float16's largest finite value, 65504
+    config = rx.RingConfig(compression_dtype=jnp.float16)
+    out = _call(v=v, mask=rx.Causal(), config=config)
+    want = rx.reference_attention(Q, K, v, mask=rx.Causal())
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, want, rtol=0, atol=2e-3 * float(jnp.max(jnp.abs(want))))
 
 
 # 5. Vague errors made specific.
@@ -236,3 +364,82 @@ def test_layout_for_another_length():
     layout = rx.Zigzag().layout(32, 2)
     with pytest.raises(ValueError, match=r"capacity = 32; got seq 16"):
         _call(layout=layout)
+
+
+ZIGZAG = rx.Zigzag().layout(SEQ, 2)  # capacity 8: original and sharded length are both 16
+
+
+def test_ambiguous_order_must_be_stated():
+    match = (
+        r"With `layout=`, q/k/v of seq 16 may be in either order .* pass `order='layout'` "
+        r"if they are already in layout order .* or `order='original'` if they are in the "
+        r"original token order"
+    )
+    with pytest.raises(ValueError, match=match):
+        _call(layout=ZIGZAG)
+
+
+_LAYOUT_14, _LAYOUT_15 = rx.Zigzag().layout(14, 2), rx.Zigzag().layout(15, 2)
+
+
+@pytest.mark.parametrize(
+    "misuse, kw, match",
+    [
+        (
+            "stated layout order, original length",
+            {"layout": _LAYOUT_14, "order": "layout"},
+            r"With `order='layout'`, q/k/v must have seq = num_shards \* capacity = 16; "
+            r"got seq 14",
+        ),
+        (
+            "stated original order, sharded length",
+            {"layout": _LAYOUT_15, "order": "original"},
+            r"With `order='original'`, q/k/v must have seq = the layout's seq_len = 15; "
+            r"got seq 14",
+        ),
+        (
+            "layout order without a layout",
+            {"order": "layout"},
+            r"`order='layout'` needs a `layout=`",
+        ),
+        (
+            "unknown order",
+            {"layout": ZIGZAG, "order": "sharded"},
+            r"`order` must be 'layout', 'original' or None; got 'sharded'",
+        ),
+        (
+            "original length, no order",
+            {"layout": _LAYOUT_14},
+            r"got seq 14\. Use `layout.shard` or pass `order='original'`",
+        ),
+    ],
+)
+def test_stated_order_must_fit_the_length(misuse, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _call(Q[:14], K[:14], V[:14], **kw)
+
+
+def test_both_orders_give_the_reference():
+    mask, padded = rx.Causal(), rx.Zigzag().layout(14, 2)
+
+    @jax.jit
+    def both(q, k, v):
+        laid = _call(
+            *(ZIGZAG.shard(x) for x in (q, k, v)), layout=ZIGZAG, order="layout", mask=mask
+        )
+        original = _call(q, k, v, layout=ZIGZAG, order="original", mask=mask)
+        # A padded layout (14 tokens, capacity 8): sharded and unsharded inside.
+        short = _call(q[:14], k[:14], v[:14], layout=padded, order="original", mask=mask)
+        return ZIGZAG.unshard(laid), original, short
+
+    want = rx.reference_attention(Q, K, V, mask=mask)
+    laid, original, short = both(Q, K, V)
+    np.testing.assert_allclose(laid, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(original, want, rtol=1e-5, atol=1e-5)
+    want_short = rx.reference_attention(Q[:14], K[:14], V[:14], mask=mask)
+    np.testing.assert_allclose(short, want_short, rtol=1e-5, atol=1e-5)
+    # On Explicit mesh axes the gathers of `Layout.shard`/`unshard` must say their
+    # sharding: ring_attention does that for them.
+    explicit = mesh(2, explicit=True)
+    call = jax.jit(lambda *a: _call(*a, layout=ZIGZAG, order="original", mask=mask, mesh=explicit))
+    np.testing.assert_allclose(call(Q, K, V), want, rtol=1e-5, atol=1e-5)

@@ -66,7 +66,9 @@ def test_knobs_match_reference(devices):
             def ring(q, k, v, layout=layout, mask=mask, config=config, shard=shard):
                 unshard = jax.vmap(layout.unshard, in_axes=1, out_axes=1)
                 sq, sk, sv = (shard(x) for x in (q, k, v))
-                out = rx.ring_attention(sq, sk, sv, mask=mask, layout=layout, mesh=m, config=config)
+                out = rx.ring_attention(
+                    sq, sk, sv, mask=mask, layout=layout, order="layout", mesh=m, config=config
+                )
                 return unshard(out)
 
             fns.append(ring)

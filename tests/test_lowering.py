@@ -224,6 +224,7 @@ def test_ring_forward_and_grad_lower(kernel, platform):
             v,
             mask=rx.Causal() & rx.Document(),
             layout=layout,
+            order="layout",
             mesh=mesh,
             kernel=kernel,
             config=rx.RingConfig(compression_dtype=jnp.bfloat16),

@@ -68,7 +68,9 @@ def _check_masks(strategy, devices: int, masks, *, seq_len: int = SEQ, key: int 
         for _, mask in masks:
 
             def f(q, k, v, mask=mask):
-                return rx.ring_attention(q, k, v, mask=mask, layout=layout, mesh=m, kernel=KERNEL)
+                return rx.ring_attention(
+                    q, k, v, mask=mask, layout=layout, order="layout", mesh=m, kernel=KERNEL
+                )
 
             out, vjp = jax.vjp(f, q, k, v)
             results.append((out, vjp(ct)))
@@ -252,7 +254,9 @@ def test_early_stop_guard_catches_short_contiguous_shards():
     assert rx.num_ring_steps(mask, layout) == 2
     q, k, v = (layout.shard(x) for x in qkv(jax.random.key(9), (), 10, HEADS, KV_HEADS, 4))
     with pytest.raises(ValueError, match="The ring stops after 2 of 4 steps"):
-        rx.ring_attention(q, k, v, mask=mask, layout=layout, mesh=mesh(4), kernel=KERNEL)
+        rx.ring_attention(
+            q, k, v, mask=mask, layout=layout, order="layout", mesh=mesh(4), kernel=KERNEL
+        )
 
 
 @pytest.mark.parametrize("seq_len, shards", [(64, 8), (37, 8), (30, 3), (16, 4)])
@@ -534,7 +538,11 @@ def test_block_sparse_errors():
     layout = rx.Uniform().layout(21, 3)
     with pytest.raises(ValueError, match=msg):
         rx.ring_attention(
-            *(layout.shard(x) for x in (q, k, v)), mask=bad, layout=layout, mesh=mesh(3)
+            *(layout.shard(x) for x in (q, k, v)),
+            mask=bad,
+            layout=layout,
+            order="layout",
+            mesh=mesh(3),
         )
     # Under the test suite's jaxtyping hook the field annotation `Bool[Array, "q_blocks
     # k_blocks"]` answers first; without it, `__check_init__` says the same in words.

@@ -62,7 +62,8 @@ def test_random_configurations_match_reference(c):
 
     def ring(q, k, v):
         out = rx.ring_attention(
-            shard(q), shard(k), shard(v), mask=mask, layout=layout, mesh=m, kernel=kernel
+            shard(q), shard(k), shard(v), mask=mask, layout=layout, order="layout", mesh=m,
+            kernel=kernel,
         )
         return unshard(out)
 

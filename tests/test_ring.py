@@ -157,7 +157,7 @@ def test_layout_argument_matches_original_order():
     assert layout.sharded_len == 21
     sq, sk, sv = (jax.vmap(layout.shard)(x) for x in (q, k, v))
     mask = rx.Causal() & rx.Document()
-    out = _ring(m, mask=mask, layout=layout)(sq, sk, sv)
+    out = _ring(m, mask=mask, layout=layout, order="layout")(sq, sk, sv)
     ref = rx.reference_attention(q, k, v, mask=mask, segment_ids=seg)
     assert_close(jax.vmap(layout.unshard)(out), ref)
     ref_layout = rx.reference_attention(sq, sk, sv, mask=mask, layout=layout)

@@ -67,6 +67,7 @@ def _check(strategy, devices, cases, *, key=0):
                     score_mod=mod,
                     sinks=sinks,
                     layout=layout,
+                    order="layout",
                     mesh=m,
                     kernel=KERNEL,
                 )

@@ -62,7 +62,9 @@ def test_attention_stays_sharded(mask):
             return rx.ring_attention(q, k, v, mask=mask, segment_ids=seg, mesh=m, kernel=KERNEL)
 
         def laid(q, k, v):
-            return rx.ring_attention(q, k, v, mask=mask, layout=layout, mesh=m, kernel=KERNEL)
+            return rx.ring_attention(
+                q, k, v, mask=mask, layout=layout, order="layout", mesh=m, kernel=KERNEL
+            )
 
         out, vjp = jax.vjp(plain, q, k, v)
         out_l, vjp_l = jax.vjp(laid, q_l, k_l, v_l)
@@ -208,7 +210,7 @@ def test_contiguous_layout_is_a_pad_and_keeps_sharding():
     padded = tuple(_seq_sharded(m, layout.shard(x, axis=1)) for x in (q, k, v))
     f = jax.jit(
         lambda q, k, v: rx.ring_attention(
-            q, k, v, mask=rx.Causal(), layout=layout, mesh=m, kernel=KERNEL
+            q, k, v, mask=rx.Causal(), layout=layout, order="layout", mesh=m, kernel=KERNEL
         )
     )
     compiled = f.lower(*padded).compile()

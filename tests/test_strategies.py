@@ -150,7 +150,9 @@ def test_ring_matches_dense_for_every_strategy(devices):
         q, k, v = (jax.vmap(rx.Layout.shard)(layout, x) for x in (q, k, v))
         outs = []
         for _, mask in MASKS:
-            out = rx.ring_attention(q, k, v, mask=mask, layout=layout, mesh=m, kernel=kernel)
+            out = rx.ring_attention(
+                q, k, v, mask=mask, layout=layout, order="layout", mesh=m, kernel=kernel
+            )
             outs.append(jax.vmap(rx.Layout.unshard)(layout, out))
         return outs
 
@@ -359,7 +361,8 @@ def test_new_boundary_positions_and_segment_ids_do_not_recompile():
     def model(strategy, seg, q, k, v):
         layout = strategy.layout(SEQ, 4, segment_ids=seg)
         q, k, v = (layout.shard(x) for x in (q, k, v))
-        return layout.unshard(rx.ring_attention(q, k, v, mask=mask, layout=layout, mesh=m))
+        out = rx.ring_attention(q, k, v, mask=mask, layout=layout, order="layout", mesh=m)
+        return layout.unshard(out)
 
     cases = [
         (rx.Boundary(jnp.array([4, 9, 20, 31]), capacity=16), SEG),

@@ -5,14 +5,34 @@ import numpy as np
 
 
 def as_int(x):
-    """`x` as a Python int when it is a NumPy integer (`np.int64(4)`), else unchanged.
+    """`x` as a Python int when it is a NumPy integer (`np.int64(4)`) or a concrete 0-d
+    integer array (`jnp.array(4)`), as a Python float when it is a concrete 0-d floating
+    array, else unchanged.
 
     Used as the converter of static integer fields and on integer arguments, so NumPy
-    integers are accepted wherever a Python int is, and checked the same way.
+    integers and concrete scalar arrays are accepted wherever a Python int is, and
+    checked the same way. Equinox runs converters before it warns about arrays in
+    static fields: a bad scalar array (`jnp.array(0)`) gets the field's own error, and
+    no warning first.
     """
     if isinstance(x, np.integer):
         return int(x)
+    if _concrete_array(x) and np.ndim(x) == 0:
+        dtype = np.dtype(x.dtype)
+        if np.issubdtype(dtype, np.integer):
+            return int(x)
+        if np.issubdtype(dtype, np.floating):
+            return float(x)
     return x
+
+
+def _concrete_array(x) -> bool:
+    """Whether `x` is a NumPy array or a JAX array whose value can be read here."""
+    if isinstance(x, np.ndarray):
+        return True
+    return (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable
+    )
 
 
 def is_int(x) -> bool:

@@ -2,6 +2,7 @@
 
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -293,8 +294,9 @@ def _contiguous(q, num_shards: int, segment_ids, span_ids):
 
 
 def _check_layout(layout: Layout, q, mesh, axis_name: str, segment_ids, span_ids) -> Layout:
-    """Check that an explicit `layout=` fits the ring and `q` (which is in layout order)."""
-    num_shards, batch_shape, seq = mesh.shape[axis_name], q.shape[:-3], q.shape[-3]
+    """Check that an explicit `layout=` fits the ring and the batch of `q` (its order is
+    checked by `_input_order`)."""
+    num_shards, batch_shape = mesh.shape[axis_name], q.shape[:-3]
     for name, ids_given in (("segment_ids", segment_ids), ("span_ids", span_ids)):
         if ids_given is not None:
             raise ValueError(
@@ -306,17 +308,58 @@ def _check_layout(layout: Layout, q, mesh, axis_name: str, segment_ids, span_ids
             f"The layout has {layout.num_shards} shards but the ring axis "
             f"{axis_name!r} has {num_shards} devices; they must be equal."
         )
-    if seq != layout.sharded_len:
-        raise ValueError(
-            "With `layout=`, q/k/v must be in layout order with seq = num_shards * "
-            f"capacity = {layout.sharded_len}; got seq {seq}. Use `layout.shard`."
-        )
     if layout.batch_shape not in ((), batch_shape):
         raise ValueError(
             f"The layout's batch shape {layout.batch_shape} must be () or the batch "
             f"shape of q {batch_shape}."
         )
     return layout
+
+
+def _input_order(layout: Layout | None, seq: int, order: str | None) -> str:
+    """The order q/k/v of length `seq` are in: the one `order` states, or the one their
+    length implies. A length that fits both orders needs `order`; a stated order must
+    fit the length."""
+    if order not in (None, "layout", "original"):
+        raise ValueError(f"`order` must be 'layout', 'original' or None; got {order!r}.")
+    if layout is None:
+        if order == "layout":
+            raise ValueError(
+                "`order='layout'` needs a `layout=`; without one q/k/v are in the "
+                "original order (pass order=None or 'original')."
+            )
+        return "original"
+    lengths = {"layout": layout.sharded_len, "original": layout.seq_len}
+    if order is None and seq == lengths["layout"] == lengths["original"]:
+        raise ValueError(
+            f"With `layout=`, q/k/v of seq {seq} may be in either order (the layout's "
+            "original length and its layout-order length num_shards * capacity are "
+            "equal): pass `order='layout'` if they are already in layout order (made by "
+            "`layout.shard`; the result is in layout order too), or `order='original'` "
+            "if they are in the original token order (ring_attention then shards them "
+            "and returns the result in the original order)."
+        )
+    if order is None and seq != lengths["layout"]:
+        hint = " or pass `order='original'`" if seq == lengths["original"] else ""
+        raise ValueError(
+            "With `layout=`, q/k/v must be in layout order with seq = num_shards * "
+            f"capacity = {lengths['layout']}; got seq {seq}. Use `layout.shard`{hint}."
+        )
+    order = "layout" if order is None else order
+    if seq != lengths[order]:
+        what = "num_shards * capacity" if order == "layout" else "the layout's seq_len"
+        raise ValueError(
+            f"With `order={order!r}`, q/k/v must have seq = {what} = {lengths[order]}; "
+            f"got seq {seq}."
+        )
+    return order
+
+
+def _flat_batch(layout: Layout) -> Layout:
+    """`layout` with its batch axes flattened into one (as q/k/v are inside)."""
+    if len(layout.batch_shape) <= 1:
+        return layout
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[-2:]), layout)
 
 
 def _check_early_stop(mask: AbstractMask, lay: Layout, num_steps: int, num_shards: int) -> None:
@@ -387,12 +430,22 @@ def _shard_map(st: _Static, mesh, batch_axis, qkv, lay: Layout, mask, score_mod,
     return out
 
 
+def _shard(x, lay: Layout, mesh, batch_axis):
+    """From the original order to layout order."""
+    # A layout in the original order only pads the end (the sharding of x is kept);
+    # others gather, which Explicit axes need to see done on the whole sequence.
+    if not lay.in_order:
+        x = _constrain(x, mesh, PartitionSpec(batch_axis, None))
+    return lay.shard(x, axis=1)
+
+
 def _unshard(out, lay: Layout, mesh, batch_axis):
-    """Back from a contiguous layout to the original order."""
-    # Drops the end padding: a slice, so the output keeps the input's sharding. With
-    # padding, `seq` has no even sharding (JAX cannot have placed q sharded): the
-    # result comes back whole, as q came in; Explicit axes need that said first.
-    if lay.sharded_len != lay.seq_len:
+    """Back from layout order to the original order."""
+    # A layout in the original order drops the end padding: a slice, so the output
+    # keeps the input's sharding. With padding, `seq` has no even sharding (JAX cannot
+    # have placed q sharded): the result comes back whole, as q came in; Explicit axes
+    # need that said first, as they do before the gather of other layouts.
+    if lay.sharded_len != lay.seq_len or not lay.in_order:
         out = _constrain(out, mesh, PartitionSpec(batch_axis, None))
     return lay.unshard(out, axis=1)
 
@@ -415,6 +468,7 @@ def ring_attention(
     score_mod: AbstractScoreMod | None = None,
     span_ids: Int[Array, "*#batch seq"] | None = None,
     sinks: Float[Array, " heads"] | None = None,
+    order: Literal["layout", "original"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     r"""Exact softmax attention with the sequence sharded over a ring of devices.
 
@@ -436,10 +490,12 @@ def ring_attention(
     - `segment_ids`: `int[*batch, seq]` document ids, for `Document()` masks; without a
         layout only (a layout carries its own).
     - `layout`: a [`ringeqx.Layout`][]; then q/k/v are in layout order (see
-        `Layout.shard`) and the result is too. Without one, contiguous shards are used
-        (padded at the end where `seq` is not a multiple of the devices) and the input
-        and output are in the original order. Either way nothing gathers the sequence:
-        the output keeps the sequence sharding of `q`.
+        `Layout.shard`) and the result is too, unless `order='original'`. Without one,
+        contiguous shards are used (padded at the end where `seq` is not a multiple of
+        the devices) and the input and output are in the original order. Either way
+        nothing gathers the sequence (except `Layout.shard` for `order='original'` with
+        a layout not in the original order): the output keeps the sequence sharding of
+        `q`.
     - `mesh`: the device mesh (default: the one set by `jax.set_mesh`; with a single
         device and no mesh, a one-device ring). Batch axes are sharded over its axis
         `"batch"` when it has one.
@@ -461,6 +517,12 @@ def ring_attention(
         \operatorname{out}_i\, e^{\ell_i - \operatorname{logaddexp}(\ell_i, z_h)}$ with
         the row's global log-sum-exp $\ell_i$. Exact and differentiable (in the sinks
         too: they are meant to be trained).
+    - `order`: with `layout=`, the order q/k/v are in: `'layout'` (made by
+        `layout.shard`; the result is in layout order) or `'original'` (ring_attention
+        shards them and returns the result in the original order). Required when `seq`
+        fits both (`seq_len == num_shards * capacity`, e.g. `Zigzag` with `seq`
+        divisible by `2 * num_shards`); otherwise the length says which, and a given
+        `order` must agree with it.
 
     **Returns:** an array shaped and typed like `q`. Rows that attend to nothing are zero.
 
@@ -494,14 +556,17 @@ def ring_attention(
     q3, k3, v3 = (x.reshape((batch,) + x.shape[-3:]) for x in (q, k, v))
     if layout is None:
         lay, segment_ids = _contiguous(q, mesh.shape[axis_name], segment_ids, span_ids)
-        q3, k3, v3 = (lay.shard(x, axis=1) for x in (q3, k3, v3))
     else:
         lay = _check_layout(layout, q, mesh, axis_name, segment_ids, span_ids)
+        lay = _flat_batch(lay)
+    batch_axis = _batch_axis(mesh, q.shape[:-3])
+    original = _input_order(layout, q.shape[-3], order) == "original"
+    if original:
+        q3, k3, v3 = (_shard(x, lay, mesh, batch_axis) for x in (q3, k3, v3))
     check_ids(mask, segment_ids, span_ids, layout)
     mask.check(lay.seq_len)
     st = _settings(kernel_obj, scale, axis_name, mesh.shape[axis_name], config, mask, lay)
-    batch_axis = _batch_axis(mesh, q.shape[:-3])
     out = _shard_map(st, mesh, batch_axis, (q3, k3, v3), lay, mask, score_mod, sinks)
-    if layout is None:
+    if original:
         out = _unshard(out, lay, mesh, batch_axis)
     return out.reshape(q.shape)

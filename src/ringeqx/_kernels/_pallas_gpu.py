@@ -82,7 +82,8 @@ def _forward_kernel(
 
         def update(acc):
             s, _ = tiles.logits(q, k_ref[kv, :], qi, ki, score_mod, scale)
-            return acc.update(s, tiles.allowed(mask, qi, ki), v_ref[kv, :])
+            s, v = tiles.nan_columns(s, v_ref[kv, :])
+            return acc.update(s, tiles.allowed(mask, qi, ki), v)
 
         return jax.lax.cond(run_ref[j] != 0, update, lambda acc: acc, acc)
 
@@ -122,10 +123,10 @@ def _dq_kernel(
 
         def grads(dq):
             k = k_ref[kv, :]
-            _, ds = tiles.tile_grads(
+            _, ds, k_finite = tiles.tile_grads(
                 q, k, v_ref[kv, :], d_out, lse, delta, qi, ki, mask, score_mod, scale
             )
-            return dq + tiles.matmul(ds.astype(k.dtype), k)
+            return dq + tiles.matmul(ds.astype(k.dtype), k_finite)
 
         return jax.lax.cond(run_ref[j] != 0, grads, lambda dq: dq, dq)
 
@@ -171,7 +172,7 @@ def _dkv_kernel(
             mod = rebuild_mod(mod_refs, g)
             q, d_out = q_ref[g, qb, :], do_ref[g, qb, :]
             lse, delta = lse_ref[g, qb][:, None], delta_ref[g, qb][:, None]
-            p, ds = tiles.tile_grads(
+            p, ds, _ = tiles.tile_grads(
                 q, k, v, d_out, lse, delta, qi, ki, mask, mod, scale
             )
             dv = dv + tiles.matmul_tn(p.astype(d_out.dtype), d_out)

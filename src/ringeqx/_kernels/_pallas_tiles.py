@@ -353,6 +353,36 @@ def logits(
     return s, lambda ds: vjp(ds)[0]
 
 
+# Rows of ones that `nan_columns` multiplies by: 16, Triton's smallest matmul side (and
+# a multiple of Mosaic's sublanes for every dtype).
+_ROWS = 16
+
+
+def nan_columns(s: Array, x: Array) -> tuple[Array, Array]:
+    """For a tile of logits `s` (`[bq, bk]`) and a key-side tile `x` (`[bk, d]`, K or
+    V): `s` with NaN in the columns whose row of `x` is not finite, and `x` with its
+    non-finite values zeroed.
+
+    Masked pairs then contribute exactly nothing: the mask replaces their logits (or
+    zeroes their probabilities), and 0 x a zeroed value is 0, where 0 x NaN was NaN.
+    A query row that does attend a non-finite key or value row still gets NaN, through
+    its logits, as in `XlaKernel` and dense attention. The cost: one add on the score
+    tile, a select on `x` and a `[16, d] @ x.T` matmul per key tile.
+
+    The row flags reach the columns of `s` (lanes) through that small matmul with ones
+    and a max over its rows (sublanes): a reduction over `d` would leave them along
+    sublanes, and moving them to lanes is a transpose, which the kernels avoid.
+    """
+    # In float32 (Mosaic's is_finite takes float32 only), cast back after the select.
+    x32 = x.astype(jnp.float32)
+    finite = jnp.isfinite(x32)
+    ones = jnp.ones((_ROWS, x.shape[-1]), jnp.float32)
+    bad = jnp.where(finite, 0.0, 1.0)
+    counts = jax.lax.dot_general(ones, bad, _NT, preferred_element_type=jnp.float32)
+    nan = jnp.where(jnp.max(counts, axis=0, keepdims=True) > 0, jnp.nan, 0.0)
+    return s + nan, jnp.where(finite, x32, 0.0).astype(x.dtype)
+
+
 def tile_grads(
     q: Array,
     k: Array,
@@ -365,15 +395,20 @@ def tile_grads(
     mask: AbstractMask,
     score_mod: AbstractScoreMod | None,
     scale: float,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array, Array]:
     """Probabilities `p` (from the global lse, `[bq, 1]` with -inf replaced by 0) and
-    the logit gradients `ds` of one tile, both `[bq, bk]` float32 (Flash Attention
-    2)."""
+    the logit gradients `ds` of one tile, both `[bq, bk]` float32 (Flash Attention 2),
+    and `k` with its non-finite values zeroed (`nan_columns`), for dQ = dS K: masked
+    pairs contribute exactly nothing to any of them."""
     s, mod_vjp = logits(q, k, qi, ki, score_mod, scale)
-    p = jnp.where(allowed(mask, qi, ki), jnp.exp(s - lse), 0.0)
+    s, k_finite = nan_columns(s, k)
+    ok = allowed(mask, qi, ki)
+    p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     dp = jax.lax.dot_general(d_out, v, _NT, preferred_element_type=jnp.float32)
+    # A non-finite value row makes its column of dP non-finite: masked pairs drop it.
+    dp = jnp.where(ok, dp, 0.0)
     ds = mod_vjp(p * (dp - delta)) * scale
-    return p, ds
+    return p, ds, k_finite
 
 
 def matmul_tn(a: Array, b: Array) -> Array:

@@ -116,7 +116,8 @@ def _forward_kernel(
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
         acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
-        acc = acc.update(s, tiles.allowed(mask, qi, ki), v_ref[...])
+        s, v = tiles.nan_columns(s, v_ref[...])
+        acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
         m_ref[...] = _lanes(acc.m)
         total_ref[...] = _lanes(acc.total)
         acc_ref[...] = acc.acc
@@ -160,7 +161,7 @@ def _dq_kernel(
     def _grads():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         k = k_ref[...]
-        _, ds = tiles.tile_grads(
+        _, ds, k_finite = tiles.tile_grads(
             q_ref[...],
             k,
             v_ref[...],
@@ -173,7 +174,7 @@ def _dq_kernel(
             mod,
             scale,
         )
-        dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k)
+        dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k_finite)
 
     @pl.when(j == num_kv - 1)
     def _finish():
@@ -217,7 +218,7 @@ def _dkv_kernel(
     def _grads():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         q, d_out = q_ref[...], do_ref[...]
-        p, ds = tiles.tile_grads(
+        p, ds, _ = tiles.tile_grads(
             q,
             k_ref[...],
             v_ref[...],

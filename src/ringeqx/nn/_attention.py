@@ -177,6 +177,7 @@ class RingAttention(eqx.Module):
             span_ids=span_ids,
             sinks=self.sinks,
             layout=layout,
+            order=None if layout is None else "layout",
             mesh=mesh,
             axis_name=self.axis_name,
             kernel=self.kernel,
