@@ -154,27 +154,22 @@ class RingAttention(eqx.Module):
         """
         _check_x(x, self.query_proj.in_features)
         seq = x.shape[0]
+        if layout is None:
+            positions = jnp.arange(seq, dtype=jnp.int32)
+        else:
+            positions = layout.token_info().positions
+        q, k, v = self._project(x, positions)
+        out = self._attend(q, k, v, layout, mesh, segment_ids=segment_ids, span_ids=span_ids)
+        return jax.vmap(self.output_proj)(out.reshape(seq, -1))
 
-        def heads(proj, n):
-            return jax.vmap(proj)(x).reshape(seq, n, self.head_dim)
-
-        q = heads(self.query_proj, self.num_heads)
-        k = heads(self.key_proj, self.num_kv_heads)
-        v = heads(self.value_proj, self.num_kv_heads)
-        if self.rope_theta is not None:
-            if layout is None:
-                positions = jnp.arange(seq, dtype=jnp.int32)
-            else:
-                positions = layout.token_info().positions
-            q = apply_rope(q, positions, self.rope_theta)
-            k = apply_rope(k, positions, self.rope_theta)
-        out = ring_attention(
+    def _attend(self, q, k, v, layout, mesh, **ids) -> Array:
+        """This layer's ring attention over q/k/v `[seq, heads, head_dim]` (in layout
+        order when `layout` is given)."""
+        return ring_attention(
             q,
             k,
             v,
             mask=self.mask,
-            segment_ids=segment_ids,
-            span_ids=span_ids,
             sinks=self.sinks,
             layout=layout,
             order=None if layout is None else "layout",
@@ -183,8 +178,8 @@ class RingAttention(eqx.Module):
             kernel=self.kernel,
             config=self.config,
             score_mod=self.score_mod,
+            **ids,
         )
-        return jax.vmap(self.output_proj)(out.reshape(seq, -1))
 
     def _project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
         """Queries, keys and values `[seq, heads, head_dim]` of `x` `[seq, dim]`, rotary
@@ -222,19 +217,7 @@ class RingAttention(eqx.Module):
         """
         _check_x(x, self.query_proj.in_features)
         q, k, v = self._project(x, layout.token_info().positions)
-        out = ring_attention(
-            q,
-            k,
-            v,
-            mask=self.mask,
-            sinks=self.sinks,
-            layout=layout,
-            mesh=mesh,
-            axis_name=self.axis_name,
-            kernel=self.kernel,
-            config=self.config,
-            score_mod=self.score_mod,
-        )
+        out = self._attend(q, k, v, layout, mesh)
         out = jax.vmap(self.output_proj)(out.reshape(x.shape[0], -1))
         return out, jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
 
