@@ -5,6 +5,7 @@ gradients equal. All cases of one ring size run in one jitted program (few compi
 refused argument has its message tested.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,3 +147,21 @@ def test_lengths_use_span_ids_when_segments_are_taken():
     )
     want = jax.nn.dot_product_attention(Q, K, V, mask=allowed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_new_lengths_do_not_recompile():
+    # The lengths travel as id arrays (leaves), so new values reuse the compiled program.
+    @jax.jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def ring(q, q_lens, kv_lens):
+        return rx.ring_attention(
+            q, q[..., :KH, :], q[..., :KH, :], mesh=mesh(3), is_causal=True,
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+        )  # fmt: skip
+
+    for q_lens, kv_lens in ((Q_LENS, KV_LENS), (KV_LENS[::-1], Q_LENS - 9)):
+        want = jax.nn.dot_product_attention(
+            Q, Q[..., :KH, :], Q[..., :KH, :], is_causal=True,
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+        )  # fmt: skip
+        np.testing.assert_allclose(ring(Q, q_lens, kv_lens), want, rtol=1e-5, atol=1e-5)
