@@ -230,7 +230,7 @@ def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict):
     `jax.nn.dot_product_attention` names in `compat` are added to them (with `&` for
     masks; a bias runs before the caller's `score_mod`)."""
     _refuse(compat["implementation"], mask)
-    q_shape = jnp.shape(q)
+    q_shape = np.shape(q)  # lists too (ring_attention converts them after this)
     new = _window_mask(compat["is_causal"], compat["local_window_size"])
     q_lens, kv_lens = compat["query_seq_lengths"], compat["key_value_seq_lengths"]
     if q_lens is not None or kv_lens is not None:
