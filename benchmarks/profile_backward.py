@@ -167,6 +167,8 @@ def _flops(shape_text: str) -> float:
     dims = [[int(d) for d in m.split(",") if d] for m in re.findall(r"\[([\d,]*)\]", shape_text)]
     contract = re.search(r"contract ([\d,]*)\)", shape_text)
     axes = [int(a) for a in contract.group(1).split(",") if a] if contract else []
+    if len(dims) < 3:  # an operand's shape was not found in the HLO
+        return 0.0
     lhs, out = dims[0], dims[2]
     return 2.0 * float(np.prod(out)) * float(np.prod([lhs[a] for a in axes]))
 

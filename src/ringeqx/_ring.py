@@ -7,10 +7,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ._checks import check_ring_args
 from ._comm import RingConfig, RingPlan
+from ._compat import translate
 from ._kernels._base import AbstractAttentionKernel
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
@@ -455,7 +456,7 @@ def ring_attention(
     k: Float[Array, "*batch seq kv_heads head_dim"],
     v: Float[Array, "*batch seq kv_heads head_dim"],
     *,
-    mask: AbstractMask | None = None,
+    mask: AbstractMask | Bool[ArrayLike, "..."] | None = None,
     segment_ids: Int[Array, "*#batch seq"] | None = None,
     layout: Layout | None = None,
     mesh=None,
@@ -469,6 +470,12 @@ def ring_attention(
     span_ids: Int[Array, "*#batch seq"] | None = None,
     sinks: Float[Array, " heads"] | None = None,
     order: Literal["layout", "original"] | None = None,
+    is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+    query_seq_lengths: Int[ArrayLike, "*batch"] | None = None,
+    key_value_seq_lengths: Int[ArrayLike, "*batch"] | None = None,
+    bias: Float[ArrayLike, "..."] | None = None,
+    implementation: str | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     r"""Exact softmax attention with the sequence sharded over a ring of devices.
 
@@ -524,6 +531,28 @@ def ring_attention(
         divisible by `2 * num_shards`); otherwise the length says which, and a given
         `order` must agree with it.
 
+    `jax.nn.dot_product_attention`'s keyword names mean what they mean there, as masks
+    and modifiers combined with `mask=` by `&` (its positional `bias` and `mask` are
+    keywords here; the README's migration table lists every name):
+
+    - `is_causal`: `True` adds `Causal()`.
+    - `local_window_size`: `w` or `(left, right)`, integers >= 0: query `i` sees keys
+        `i - left ... i + right` (`(w - 1, 0)` is `SlidingWindow(w)`); with `is_causal`,
+        `right` is 0.
+    - `query_seq_lengths`, `key_value_seq_lengths`: `int[*batch]` valid lengths per
+        example; keys at or beyond the length are masked, and query rows beyond it are
+        zero (as there). They travel as segment ids (or span ids, when the mask or
+        `segment_ids=` use segments), so they need no `layout=`.
+    - `bias`: one that broadcasts over the queries, `[1, heads or 1, 1, seq]`, becomes a
+        score modifier (run before `score_mod`; a constant, no gradient); one constant
+        along the keys (`[..., 1]`) leaves softmax unchanged and is dropped. A bias over
+        queries and keys, or per example, and a boolean `mask` array are refused: they
+        cannot be ring-sharded (the error says what to use).
+    - `implementation`: refused; the kernel is chosen by `kernel=` and `device_type=`.
+
+    A row that sees no key is zero here; `jax.nn.dot_product_attention` gives it the
+    mean of all values (a uniform softmax over the masked logits).
+
     **Returns:** an array shaped and typed like `q`. Rows that attend to nothing are zero.
 
     **Example:**
@@ -545,6 +574,17 @@ def ring_attention(
         }
         ```
     """
+    compat = dict(
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        bias=bias,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        implementation=implementation,
+    )
+    mask, score_mod, segment_ids, span_ids = translate(
+        q, mask, score_mod, segment_ids, span_ids, layout, compat
+    )
     q, k, v = check_ring_args(q, k, v, mask, scale, segment_ids, span_ids)
     _check_arguments(q, k, v, score_mod, sinks)
     mask = Full() if mask is None else mask
