@@ -11,6 +11,7 @@ import pytest
 
 import ringeqx as rx
 from ringeqx._cli import main
+from ringeqx._plan_model import headroom
 
 
 MIB = 2**20
@@ -44,10 +45,10 @@ MIB = 2**20
 )
 def test_plan_under_budget_compiles_under_it_and_within_15_percent(kwargs):
     unbounded = rx.plan(max_memory_usage=2**40, **kwargs)
-    # A budget just above the plan's prediction: the planner keeps that plan.
-    budget = int(unbounded.memory.total * 1.001)
+    # A budget 10% above the preferred plan's prediction.
+    budget = int(unbounded.memory.total * 1.1)
     planned = rx.plan(max_memory_usage=budget, **kwargs)
-    assert planned.memory.total <= budget
+    assert planned.memory.total * (1 + headroom(planned.kind)) <= budget
     measured = rx.measure_memory(planned)
     assert measured["total"] == measured["arguments"] + measured["outputs"] + measured["temp"]
     assert measured["total"] <= budget
@@ -57,18 +58,9 @@ def test_plan_under_budget_compiles_under_it_and_within_15_percent(kwargs):
 def test_breakdown_adds_up_and_lm_counts_parameters():
     p = rx.plan(8192, 4, heads=4, dim=128, num_layers=2, vocab_size=512, max_memory_usage=2**40)
     m = p.memory
-    assert m.total == sum(
-        p.to_dict()["memory"][k]
-        for k in rx.Plan.__annotations__
-        and (
-            "parameters",
-            "optimizer_state",
-            "activations",
-            "attention",
-            "communication",
-            "inputs_outputs",
-        )
-    )
+    parts = p.to_dict()["memory"]
+    assert m.total == parts.pop("total") == sum(parts.values())
+    assert min(parts.values()) >= 0
     model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
     params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.Array))
     # Parameters in and out (gradients come on top); Adam's two moments in and out.
@@ -88,11 +80,12 @@ def test_suggested_strategy_follows_the_mask():
     assert isinstance(strategy(rx.Full()), rx.Uniform)
 
 
-def test_tighter_budget_gives_smaller_tiles_then_remat():
+def test_tighter_budget_gives_smaller_tiles():
     kwargs = dict(heads=8, dim=256, num_layers=4, vocab_size=1024)
     roomy = rx.plan(32768, 8, max_memory_usage=2**40, **kwargs)
     assert (roomy.remat, roomy.block_q) == ("none", 256)
-    tight = rx.plan(32768, 8, max_memory_usage=roomy.memory.total - 1, **kwargs)
+    needs = int(roomy.memory.total * (1 + headroom("lm")))
+    tight = rx.plan(32768, 8, max_memory_usage=needs - 1, **kwargs)
     assert (tight.remat, tight.block_q) != ("none", 256)
     assert tight.memory.total < roomy.memory.total
     assert tight.forward_tiles == tight.backward_tiles == (tight.block_q, tight.block_kv)
@@ -122,6 +115,8 @@ def test_argument_errors():
         rx.plan(0, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`remat` must be one of"):
         rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="all")
+    with pytest.raises(ValueError, match="needs an LM plan"):
+        rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="block")
     attention = rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`plan` must be an LM plan"):
         rx.nn.RingTransformerLM.from_plan(attention, key=jax.random.key(0))
@@ -131,7 +126,7 @@ def test_argument_errors():
 
 def test_profile_memory_is_the_default_budget():
     p = rx.plan(
-        1 << 20, 8, heads=16, kv_heads=4, dim=1024, num_layers=4, vocab_size=32000, device="h100"
+        1 << 18, 8, heads=4, kv_heads=2, dim=128, num_layers=2, vocab_size=256, device="h100"
     )
     assert p.max_memory_usage == rx.HARDWARE["h100"].memory == 80 * 2**30
     model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
@@ -158,7 +153,7 @@ def test_cli_plan_table_and_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["strategy"] == "Zigzag()" and out["kind"] == "attention"
     assert out["memory"]["total"] <= 512 * MIB
-    assert main(args + ["--dim", "128"]) == 0
+    assert main(args + ["--dim", "128", "--vocab-size", "512"]) == 0
     assert "| remat |" in capsys.readouterr().out
     assert main(args[:-1] + ["0.5"]) == 1
     assert "Nothing fits" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from ._plan_model import (
     LMShapes,
     MemoryBreakdown,
     Shapes,
+    headroom,
     predict_attention,
     predict_lm,
 )
@@ -255,9 +256,14 @@ def _search(cfg: dict, remat: Remat | None, block: int | None) -> Plan | None:
     for r in _remats(cfg, remat):
         for b in blocks:
             memory = _predict(cfg, b, r, cfg["num_devices"])
-            if memory.total <= cfg["max_memory_usage"]:
+            if _fits(cfg, memory):
                 return _make(cfg, b, r, memory)
     return None
+
+
+def _fits(cfg: dict, memory: MemoryBreakdown) -> bool:
+    """Whether the prediction, with the model's headroom, is within the budget."""
+    return memory.total * (1 + headroom(cfg["kind"])) <= cfg["max_memory_usage"]
 
 
 def _no_fit_message(cfg: dict, remat: Remat | None, block: int | None) -> str:
@@ -267,10 +273,12 @@ def _no_fit_message(cfg: dict, remat: Remat | None, block: int | None) -> str:
     p, budget = cfg["num_devices"], cfg["max_memory_usage"]
     least = _predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
+    need = least.total * (1 + headroom(cfg["kind"]))
     head = (
         f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
         f"seq_len={cfg['seq_len']} on num_devices={p} needs at least "
-        f"{least.total / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b})"
+        f"{need / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b}, with the model's "
+        f"{headroom(cfg['kind']):.0%} headroom)"
     )
     if fixed >= budget:
         return (
@@ -282,12 +290,12 @@ def _no_fit_message(cfg: dict, remat: Remat | None, block: int | None) -> str:
     while more < 2**16 * p:
         more *= 2
         memory = _predict(cfg, b, r, more)
-        if memory.total <= budget:
+        if _fits(cfg, memory):
             return (
                 f"{head}. It fits on num_devices={more} ({memory.total / _MIB:,.1f} MiB "
-                f"per device), or raise max_memory_usage to {least.total / _MIB:,.1f} MiB."
+                f"per device), or raise max_memory_usage to {need / _MIB:,.1f} MiB."
             )
-    return f"{head}: raise max_memory_usage to {least.total / _MIB:,.1f} MiB."
+    return f"{head}: raise max_memory_usage to {need / _MIB:,.1f} MiB."
 
 
 def _budget(device: str, max_memory_usage: int | None) -> int:
@@ -417,6 +425,11 @@ def plan(
     cfg["max_memory_usage"] = _budget(device, max_memory_usage)
     if remat is not None and remat not in _REMATS:
         raise ValueError(f"`remat` must be one of {_REMATS} or None; got {remat!r}.")
+    if cfg["kind"] == "attention" and remat not in (None, "none"):
+        raise ValueError(
+            f"`remat`={remat!r} needs an LM plan (`dim`, ...): attention alone has no "
+            "layers to rematerialise (its custom VJP already recomputes the scores)."
+        )
     found = _search(cfg, remat, block_size)
     if found is None:
         raise ValueError(_no_fit_message(cfg, remat, block_size))
