@@ -109,9 +109,10 @@ def measured_row(cfg: dict) -> dict:
     )
 
 
-def fit(rows: list[dict]) -> tuple[dict[str, dict[str, float]], float]:
-    """Per regime, the counts that minimise the relative error of the total (NNLS), and
-    the largest under-prediction over all rows (the planner's headroom)."""
+def fit(rows: list[dict], signed: bool = False) -> tuple[dict[str, dict[str, float]], float]:
+    """Per regime, the counts that minimise the relative error of the total (NNLS, or
+    plain least squares when `signed`), and the largest under-prediction over all rows
+    (the planner's headroom)."""
     from scipy.optimize import nnls
 
     out, under = {}, 0.0
@@ -121,8 +122,11 @@ def fit(rows: list[dict]) -> tuple[dict[str, dict[str, float]], float]:
         a = np.array([[r["features"][n] for n in names] for r in group], dtype=np.float64)
         b = np.array([r["measured"]["total"] - r["io"] for r in group], dtype=np.float64)
         w = 1.0 / np.array([r["measured"]["total"] for r in group], dtype=np.float64)
-        coef, _ = nnls(a * w[:, None], b * w)
-        out[regime] = {n: round(float(c), 4) for n, c in zip(names, coef) if c > 0}
+        if signed:
+            coef = np.linalg.lstsq(a * w[:, None], b * w, rcond=None)[0]
+        else:
+            coef, _ = nnls(a * w[:, None], b * w)
+        out[regime] = {n: round(float(c), 4) for n, c in zip(names, coef) if c != 0}
         pred = a @ coef + np.array([r["io"] for r in group])
         err = pred / np.array([r["measured"]["total"] for r in group]) - 1
         under = max(under, float(np.max(1 / (1 + err) - 1)))
@@ -134,8 +138,8 @@ def write_constants(attention: dict, lm: dict, headroom: dict) -> None:
     def block(name, table):
         lines = [f"{name}: dict[str, dict[str, float]] = {{"]
         for regime, coef in table.items():
-            lines.append(f"    {regime!r}: {{")
-            lines += [f"        {k!r}: {v!r}," for k, v in coef.items()]
+            lines.append(f'    "{regime}": {{')
+            lines += [f'        "{k}": {v!r},' for k, v in coef.items()]
             lines.append("    },")
         return lines + ["}"]
 
@@ -148,7 +152,9 @@ def write_constants(attention: dict, lm: dict, headroom: dict) -> None:
         "",
         "# The largest under-prediction seen in calibration, rounded up with 2% to spare:",
         "# the planner keeps this fraction of the budget free.",
-        f"HEADROOM: dict[str, float] = {headroom!r}",
+        "HEADROOM: dict[str, float] = {"
+        + ", ".join(f'"{k}": {v!r}' for k, v in headroom.items())
+        + "}",
         "",
     ]
     with open(CONSTANTS, "w") as f:
@@ -186,6 +192,9 @@ def calibrate(args) -> int:
     lengths = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
     make = attention_config if args.kind == "attention" else lm_config
     rows = []
+    if args.append and os.path.exists(_data_path(args.kind)):
+        rows = _refit_rows(_data_path(args.kind))
+    lengths = args.calibration_lengths or lengths
     for i in range(args.points):
         cfg = make(rng, lengths)
         log(f"[{args.kind} {i + 1}/{args.points}] {cfg}")
@@ -209,7 +218,9 @@ def refit(args) -> int:
         _plan_model.ATTENTION.clear()
         _plan_model.ATTENTION.update(attention)
     if os.path.exists(_data_path("lm")):
-        lm, under = fit(_refit_rows(_data_path("lm")))
+        # Signed: XLA reuses parameter-sized buffers (gradients, Adam's temporaries) for
+        # activations once these are large, which a negative count of them expresses.
+        lm, under = fit(_refit_rows(_data_path("lm")), signed=True)
         headroom["lm"] = _headroom(under)
     write_constants(attention, lm, headroom)
     log(f"wrote {os.path.relpath(CONSTANTS)}")
@@ -316,7 +327,19 @@ def main() -> int:
     parser.add_argument("--refit", action="store_true", help="refit on the saved data")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--points", type=int, default=80)
+    parser.add_argument("--append", action="store_true", help="add to the saved sample")
+    parser.add_argument(
+        "--calibration-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="N to sample from (default 1K .. 64K)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
+    parser.add_argument("--lm-lengths", type=int, nargs="+", default=[2048, 65536])
+    parser.add_argument(
+        "--kinds", nargs="+", choices=("attention", "lm"), default=["attention", "lm"]
+    )
     args = parser.parse_args()
     jnp.zeros(())  # start the backend with the fake devices
     if args.refit:

@@ -121,9 +121,9 @@ def attention_features(s: Shapes) -> dict[str, float]:
     tiled = float(s.capacity > min(s.block_q, s.block_kv))
     return {
         # The custom VJP keeps q, k, v (heads-major copies), out (float32) and lse.
-        "residuals": (q + 2 * kv) * s.itemsize + 4 * (q + rows),
+        "residuals": float((q + 2 * kv) * s.itemsize + 4 * (q + rows)),
         # Two K/V blocks in flight forward; backward, K/V and float32 dK/dV, two each.
-        "in_flight": (4 * kv * s.itemsize + 4 * kv * 4) if ring else 0.0,
+        "in_flight": float(4 * kv * s.itemsize + 4 * kv * 4) if ring else 0.0,
         "tile": 4.0 * s.batch * s.heads * bq * bk,
         "q32": 4.0 * q,
         "kv32": 4.0 * kv,
@@ -161,8 +161,8 @@ class LMShapes(eqx.Module):
         qo = 2 * self.dim * a.heads * a.head_dim
         kv = 2 * self.dim * a.kv_heads * a.head_dim
         mlp = 2 * self.dim * self.hidden + self.hidden + self.dim
-        block = qo + kv + mlp + 2 * self.dim
-        return 2 * self.vocab_size * self.dim + self.num_layers * block + self.dim
+        block = qo + kv + mlp + 4 * self.dim  # two RMSNorms, weight and bias each
+        return 2 * self.vocab_size * self.dim + self.num_layers * block + 2 * self.dim
 
 
 def _attention_temp(s: Shapes) -> tuple[float, float]:
@@ -222,6 +222,12 @@ def predict_attention(s: Shapes) -> MemoryBreakdown:
 def predict_lm(s: LMShapes) -> MemoryBreakdown:
     """Predicted per-device bytes of an LM training step with Adam."""
     parts = _combine(lm_features(s), LM_TERMS, LM.get(lm_regime(s), {}))
+    # The LM's counts are signed: XLA reuses parameter-sized buffers (gradients, Adam's
+    # temporaries) for activations once these are large. What is reused is taken off the
+    # activations, so that no category is negative.
+    reused = -sum(min(v, 0.0) for v in parts.values())
+    parts = {k: max(v, 0.0) for k, v in parts.items()}
+    parts["activations"] = max(parts["activations"] - reused, 0.0)
     params, opt, io = lm_io(s)
     parts["parameters"] += params
     parts["optimizer_state"] += opt

@@ -187,7 +187,8 @@ class RingTransformerLM(eqx.Module):
         if layout is None:
             return jnp.mean(nll)
         valid = layout.token_info().valid
-        return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid)
+        # The count cast to float: an int32 divisor fails under strict dtype promotion.
+        return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid).astype(nll.dtype)
 
     @classmethod
     def from_plan(cls, plan: Plan, *, key: PRNGKeyArray) -> "RingTransformerLM":
