@@ -5,8 +5,8 @@ For each configuration of the grid (N from 2K to 64K, P = 1, 2, 4, 8, masks, rem
 policies, attention alone and an LM training step) it makes a plan with the knobs fixed,
 compiles the planned program (`ringeqx.measure_memory`) and prints the predicted and the
 compiled per-device totals and their relative error (goal: within 15%). Then, for each
-configuration, it asks the planner for a plan under a budget (the compiled bytes of the
-configuration at a middle setting) and checks that the planned program compiles under it.
+configuration, it asks the planner for its own plan under a budget 15% above the
+configuration's compiled bytes and checks that the planned program compiles under it.
 
 `--calibrate attention` / `--calibrate lm` instead measure a seeded random sample of
 configurations (`--points`, `--seed`) into `benchmarks/plan_calibration_{kind}.json`, and

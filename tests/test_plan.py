@@ -159,3 +159,30 @@ def test_cli_plan_table_and_json(capsys):
     assert "| remat |" in capsys.readouterr().out
     assert main(args[:-1] + ["0.5"]) == 1
     assert "Nothing fits" in capsys.readouterr().out
+
+
+def test_remat_policies_give_the_same_gradients():
+    import equinox as eqx
+    import jax.numpy as jnp
+    import numpy as np
+
+    mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+    kwargs = dict(attention_kwargs=dict(kernel=rx.XlaKernel(8, 8)), key=jax.random.key(1))
+    models = [
+        rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint=c, **kwargs)
+        for c in ("none", "attention", "block")
+    ]
+    tokens = jax.random.randint(jax.random.key(2), (32,), 0, 16)
+
+    @jax.jit
+    def grads(models, tokens):
+        def one(model):
+            return eqx.filter_grad(lambda m: m.loss(tokens, tokens, mesh=mesh))(model)
+
+        return [jax.tree.leaves(eqx.filter(one(m), eqx.is_array)) for m in models]
+
+    none, attention, block = grads(models, tokens)
+    for a, b, c in zip(none, attention, block):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+    assert any(float(jnp.abs(x).max()) > 0 for x in none)
