@@ -280,6 +280,13 @@ def budget_check(cfg: dict, row: dict) -> tuple[int, int, str]:
     return budget, measured["total"], f"{plan.remat}/{plan.block_q}"
 
 
+def _budget_cell(choice: str, used: int, budget: int) -> str:
+    if choice == "no plan":
+        return f"no plan within {budget / MIB:.1f}"
+    result = "PASS" if used <= budget else "MISS"
+    return f"{choice}: {used / MIB:.1f} / {budget / MIB:.1f} {result}"
+
+
 def validate(args) -> int:
     cfgs = grid(args)
     lines = [
@@ -301,8 +308,7 @@ def validate(args) -> int:
         lines.append(
             f"| {kind} | {cfg['seq_len']} | {cfg['num_devices']} | {cfg['mask']} | {knob} | "
             f"{row['predicted'] / MIB:.1f} | {row['measured']['total'] / MIB:.1f} | "
-            f"{err:+.1%} | {choice}: {used / MIB:.1f} / {budget / MIB:.1f} "
-            f"{'PASS' if used <= budget else 'MISS'} |"
+            f"{err:+.1%} | {_budget_cell(choice, used, budget)} |"
         )
     worst = max(abs(e) for e in errors)
     lines += [
