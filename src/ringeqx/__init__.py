@@ -30,6 +30,9 @@ from ._masks import (
     PrefixLM as PrefixLM,
     SlidingWindow as SlidingWindow,
 )
+from ._plan import Plan as Plan, plan as plan
+from ._plan_check import measure_memory as measure_memory
+from ._plan_model import MemoryBreakdown as MemoryBreakdown
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention

@@ -1,4 +1,5 @@
-"""The `ringeqx` command line: `ringeqx demo`, `ringeqx bench` and `ringeqx report`.
+"""The `ringeqx` command line: `ringeqx demo`, `ringeqx bench`, `ringeqx report` and
+`ringeqx plan`.
 
 JAX reads `XLA_FLAGS` once, when its backends start, so this module sets the fake CPU
 device count first and imports JAX (and ringeqx, which imports JAX) only inside the
@@ -476,6 +477,41 @@ def generate(args: argparse.Namespace) -> int:
     ok = error < 1e-3
     _say("  OK" if ok else "  MISMATCH against the full recomputation")
     return 0 if ok else 1
+def plan(args: argparse.Namespace) -> int:
+    """`ringeqx plan`: the memory plan of a problem, as a table or as JSON."""
+    import json
+
+    import ringeqx as rx
+
+    masks = {
+        "causal": rx.Causal(),
+        "full": rx.Full(),
+        "documents": rx.Causal() & rx.Document(),
+        "window": rx.SlidingWindow(args.window),
+    }
+    lm = {}
+    if args.dim is not None:
+        lm = dict(dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size)
+    budget = None if args.max_memory_mib is None else int(args.max_memory_mib * 2**20)
+    try:
+        result = rx.plan(
+            args.seq_len,
+            args.devices,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=None if lm else args.head_dim,
+            batch=args.batch,
+            dtype=args.dtype,
+            mask=masks[args.mask],
+            device=args.profile,
+            max_memory_usage=budget,
+            **lm,
+        )
+    except ValueError as error:
+        _say(f"ringeqx plan: {error}")
+        return 1
+    _say(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+    return 0
 
 
 def _positive(text: str) -> int:
@@ -568,6 +604,32 @@ def _generate_arguments(generate_parser: argparse.ArgumentParser) -> None:
     generate_parser.set_defaults(run=generate)
 
 
+def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
+    _common(plan_parser, seq_len=65536, heads=8, kv_heads=2)
+    plan_parser.add_argument(
+        "--mask", choices=("causal", "full", "documents", "window"), default="causal"
+    )
+    plan_parser.add_argument("--window", type=_positive, default=4096, help="for --mask window")
+    plan_parser.add_argument("--dtype", default="float32", help="q/k/v dtype (attention)")
+    plan_parser.add_argument("--batch", type=_positive, default=1)
+    plan_parser.add_argument(
+        "--dim", type=_positive, default=None, help="LM width (plans an LM training step)"
+    )
+    plan_parser.add_argument("--layers", type=_positive, default=4, help="LM layers")
+    plan_parser.add_argument("--vocab-size", type=_positive, default=32000)
+    plan_parser.add_argument(
+        "--profile", default="cpu", help="device profile: cpu or a key of ringeqx.HARDWARE"
+    )
+    plan_parser.add_argument(
+        "--max-memory-mib",
+        type=float,
+        default=None,
+        help="budget per device in MiB (default: the profile's memory)",
+    )
+    plan_parser.add_argument("--json", action="store_true", help="print JSON")
+    plan_parser.set_defaults(run=plan)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringeqx",
@@ -614,6 +676,16 @@ def _parser() -> argparse.ArgumentParser:
             "ring into a sequence-sharded KV cache, each decode step merges the devices' "
             "partial attention by one max and one sum reduction, and the logits are "
             "checked against the whole sequence recomputed on one device.",
+        )
+    )
+    _plan_arguments(
+        commands.add_parser(
+            "plan",
+            help="the memory plan of ring attention or an LM training step: tiles, "
+            "remat, strategy and predicted bytes per device",
+            description="Plan ring attention (or, with --dim, a RingTransformerLM "
+            "training step) within a memory budget per device: ringeqx.plan, printed "
+            "as a table or as JSON. Nothing is compiled.",
         )
     )
     return parser

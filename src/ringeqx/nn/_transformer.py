@@ -1,5 +1,7 @@
 """A pre-norm transformer block and a small language model on ring attention."""
 
+from typing import Literal
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._kvcache import KVCache, cache_capacity, place_cache, prefill_cache, replicated
 from .._layout import Layout, contiguous_layout
+from .._plan import Plan
 from .._ring import _resolve_mesh
 from .._tokens import TokenInfo
 from ._attention import RingAttention
@@ -92,6 +95,20 @@ class TransformerBlock(eqx.Module):
         return self._mlp((x + out)[None])[0], keys, values
 
 
+def _rematerialise(run, checkpoint):
+    """`run` wrapped for the `checkpoint` setting of `RingTransformerLM`."""
+    match checkpoint:
+        case False | "none":
+            return run
+        case True | "block":
+            return eqx.filter_checkpoint(run)
+        case "attention":
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            return eqx.filter_checkpoint(run, policy=policy)
+        case _:
+            raise ValueError(f"Unknown checkpoint setting {checkpoint!r}.")
+
+
 class RingTransformerLM(eqx.Module):
     """A small decoder-only language model whose attention runs on a ring.
 
@@ -102,8 +119,12 @@ class RingTransformerLM(eqx.Module):
     **Arguments:**
 
     - `vocab_size`, `dim`, `num_heads`, `num_kv_heads`, `num_layers`, `hidden`: sizes.
-    - `checkpoint`: rematerialise each block in the backward pass (gradient
-        checkpointing: activation memory of one block instead of all).
+    - `checkpoint`: what each block rematerialises in the backward pass (gradient
+        checkpointing). `False` or `"none"`: nothing, every activation is kept.
+        `"attention"`: the block keeps the outputs of its projections and MLP matmuls
+        (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and recomputes
+        the rest, ring attention included. `True` or `"block"`: the block keeps only its
+        input (activation memory of one block instead of all).
     - `attention_kwargs`: passed to every [`ringeqx.nn.RingAttention`][] (mask, kernel,
         ...).
     - `key`: a `jax.random` key.
@@ -113,7 +134,7 @@ class RingTransformerLM(eqx.Module):
     blocks: tuple[TransformerBlock, ...]
     final_norm: eqx.nn.RMSNorm
     head: eqx.nn.Linear
-    checkpoint: bool = eqx.field(static=True)
+    checkpoint: bool | Literal["none", "attention", "block"] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -124,7 +145,7 @@ class RingTransformerLM(eqx.Module):
         *,
         num_kv_heads: int | None = None,
         hidden: int | None = None,
-        checkpoint: bool = False,
+        checkpoint: bool | Literal["none", "attention", "block"] = False,
         attention_kwargs: dict | None = None,
         key: PRNGKeyArray,
     ):
@@ -142,6 +163,11 @@ class RingTransformerLM(eqx.Module):
         )
         self.final_norm = eqx.nn.RMSNorm(dim)
         self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=keys[-1])
+        if checkpoint not in (False, True, "none", "attention", "block"):
+            raise ValueError(
+                "`checkpoint` must be a bool or one of 'none', 'attention', 'block'; "
+                f"got {checkpoint!r}."
+            )
         self.checkpoint = checkpoint
 
     def __call__(
@@ -163,7 +189,7 @@ class RingTransformerLM(eqx.Module):
             def run(block, x):
                 return block(x, layout, segment_ids=segment_ids, mesh=mesh)
 
-            x = (eqx.filter_checkpoint(run) if self.checkpoint else run)(block, x)
+            x = _rematerialise(run, self.checkpoint)(block, x)
         x = jax.vmap(self.final_norm)(x)
         return jax.vmap(self.head)(x)
 
@@ -298,4 +324,37 @@ class RingTransformerLM(eqx.Module):
         if layout is None:
             return jnp.mean(nll)
         valid = layout.token_info().valid
-        return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid)
+        # The count cast to float: an int32 divisor fails under strict dtype promotion.
+        return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid).astype(nll.dtype)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, *, key: PRNGKeyArray) -> "RingTransformerLM":
+        """The model a [`ringeqx.Plan`][] of kind `"lm"` describes: its sizes, its mask,
+        an `XlaKernel` with the planned tiles, and the planned remat as `checkpoint`.
+
+        Shard its inputs with `plan.layout(...)` (the plan's strategy) and pass that
+        layout to `loss` / `__call__`.
+
+        **Arguments:**
+
+        - `plan`: from [`ringeqx.plan`][] with `dim`, `num_layers` and `vocab_size`.
+        - `key`: a `jax.random` key.
+        """
+        if plan.kind != "lm":
+            raise ValueError(
+                "`plan` must be an LM plan (ringeqx.plan(..., dim=, num_layers=, "
+                f"vocab_size=)); got a plan of kind {plan.kind!r}."
+            )
+        assert plan.vocab_size and plan.dim and plan.num_layers
+        attention = {"mask": plan.mask, "kernel": plan.kernel(), "head_dim": plan.head_dim}
+        return cls(
+            plan.vocab_size,
+            plan.dim,
+            plan.heads,
+            plan.num_layers,
+            num_kv_heads=plan.kv_heads,
+            hidden=plan.hidden,
+            checkpoint=plan.remat,
+            attention_kwargs=attention,
+            key=key,
+        )

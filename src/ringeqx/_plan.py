@@ -1,0 +1,436 @@
+"""`ringeqx.plan`: tile sizes, rematerialisation and a sharding strategy chosen so that ring
+attention (or a `RingTransformerLM` training step) fits a per-device memory budget."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from ._kernels._xla import XlaKernel
+from ._masks import AbstractMask, Causal
+from ._plan_model import (
+    CATEGORIES,
+    LMShapes,
+    MemoryBreakdown,
+    Shapes,
+    headroom,
+    predict_attention,
+    predict_lm,
+)
+from ._report import HARDWARE
+from ._steps import ring_window
+from ._strategies._base import AbstractShardingStrategy
+from ._strategies._uniform import Uniform
+from ._strategies._work_balanced import WorkBalanced
+from ._strategies._zigzag import Zigzag
+
+
+Remat = Literal["none", "attention", "block"]
+_REMATS: tuple[Remat, ...] = ("none", "attention", "block")
+_MIB = 2**20
+_CFG_FIELDS = (
+    "kind",
+    "seq_len",
+    "num_devices",
+    "batch",
+    "batch_devices",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "vocab_size",
+    "dim",
+    "num_layers",
+    "hidden",
+    "mask",
+    "device",
+)
+
+
+def _tiles(device: str) -> tuple[int, ...]:
+    """Square tiles to try, preferred first: 256 on the CPU (as fast as 512 there, see
+    docs/design.md), 512 on accelerators; smaller ones only save memory."""
+    return (256, 128, 64) if device == "cpu" else (512, 256, 128, 64)
+
+
+def suggest_strategy(mask: AbstractMask, block: int) -> AbstractShardingStrategy:
+    """The strategy that balances `mask`'s work: `WorkBalanced` when it reads segments
+    (packed documents), `Uniform` when it is bounded behind (a window: contiguous shards
+    let the ring stop early), `Zigzag` when it looks nowhere ahead (causal), else
+    `Uniform` (full attention is balanced as it is)."""
+    if "segments" in mask.reads():
+        return WorkBalanced(chunk=block)
+    if mask.max_distance() is not None:
+        return Uniform()
+    if mask.max_lookahead() == 0:
+        return Zigzag()
+    return Uniform()
+
+
+class Plan(eqx.Module):
+    """A memory plan: how to run ring attention (or train a `RingTransformerLM`) within
+    `max_memory_usage` bytes per device, and what it is predicted to use.
+
+    Made by [`ringeqx.plan`][]. Build the model with
+    [`ringeqx.nn.RingTransformerLM.from_plan`][], the kernel with `plan.kernel()` and the
+    layout with `plan.layout(...)`; [`ringeqx.measure_memory`][] compiles the planned
+    program and reads what XLA allocates.
+
+    **Fields:**
+
+    - `kind`: `"attention"` (ring attention forward + backward) or `"lm"` (a training step:
+        loss, gradients, Adam update).
+    - `seq_len`, `num_devices` (the ring), `batch`, `batch_devices` (the `"batch"` mesh
+        axis), `heads`, `kv_heads`, `head_dim`, `dtype` (of q/k/v; LMs run in float32):
+        the problem.
+    - `vocab_size`, `dim`, `num_layers`, `hidden`: the LM's sizes (None for attention).
+    - `mask`: the attention mask.
+    - `strategy`: the suggested sharding strategy for the mask.
+    - `block_q`, `block_kv`: the kernel's tiles, used by the forward and the backward.
+    - `remat`: what each block rematerialises: `"none"`, `"attention"` (projections and
+        MLP matmuls kept, attention recomputed) or `"block"` (only the block's input kept).
+    - `device`: the device profile (`"cpu"` or a key of [`ringeqx.HARDWARE`][]).
+    - `max_memory_usage`: the budget in bytes per device.
+    - `memory`: the predicted [`ringeqx.MemoryBreakdown`][] per device.
+    """
+
+    kind: Literal["attention", "lm"] = eqx.field(static=True)
+    seq_len: int = eqx.field(static=True)
+    num_devices: int = eqx.field(static=True)
+    batch: int = eqx.field(static=True)
+    batch_devices: int = eqx.field(static=True)
+    heads: int = eqx.field(static=True)
+    kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+    vocab_size: int | None = eqx.field(static=True)
+    dim: int | None = eqx.field(static=True)
+    num_layers: int | None = eqx.field(static=True)
+    hidden: int | None = eqx.field(static=True)
+    mask: AbstractMask
+    strategy: AbstractShardingStrategy
+    block_q: int = eqx.field(static=True)
+    block_kv: int = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+    device: str = eqx.field(static=True)
+    max_memory_usage: int = eqx.field(static=True)
+    memory: MemoryBreakdown
+
+    @property
+    def forward_tiles(self) -> tuple[int, int]:
+        """`(block_q, block_kv)` of the forward pass."""
+        return self.block_q, self.block_kv
+
+    @property
+    def backward_tiles(self) -> tuple[int, int]:
+        """`(block_q, block_kv)` of the backward pass (`XlaKernel` uses one pair for
+        both)."""
+        return self.block_q, self.block_kv
+
+    def kernel(self) -> XlaKernel:
+        """The kernel the prediction is calibrated for, with the planned tiles."""
+        return XlaKernel(self.block_q, self.block_kv)
+
+    def layout(self, segment_ids=None):
+        """The strategy's [`ringeqx.Layout`][] for this sequence and ring."""
+        return self.strategy.layout(self.seq_len, self.num_devices, segment_ids=segment_ids)
+
+    def checkpoint_policy(self):
+        """The `jax.checkpoint` policy of each block (None: no checkpoint)."""
+        policies = jax.checkpoint_policies
+        return {
+            "none": None,
+            "attention": policies.dots_with_no_batch_dims_saveable,
+            "block": policies.nothing_saveable,
+        }[self.remat]
+
+    def to_dict(self) -> dict:
+        """The plan as plain JSON-able values."""
+        out = {
+            "kind": self.kind,
+            "seq_len": self.seq_len,
+            "num_devices": self.num_devices,
+            "batch": self.batch,
+            "batch_devices": self.batch_devices,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "vocab_size": self.vocab_size,
+            "dim": self.dim,
+            "num_layers": self.num_layers,
+            "hidden": self.hidden,
+            "mask": type(self.mask).__name__,
+            "strategy": repr(self.strategy),
+            "forward_tiles": list(self.forward_tiles),
+            "backward_tiles": list(self.backward_tiles),
+            "remat": self.remat,
+            "device": self.device,
+            "max_memory_usage": self.max_memory_usage,
+        }
+        memory = {name: getattr(self.memory, name) for name in CATEGORIES}
+        out["memory"] = memory | {"total": self.memory.total}
+        return out
+
+    def table(self) -> str:
+        """The plan as a Markdown table (sizes in MiB per device)."""
+        d = self.to_dict()
+        memory = d.pop("memory")
+        rows = [(k, str(v)) for k, v in d.items() if v is not None]
+        rows[-1] = ("max_memory_usage", f"{self.max_memory_usage / _MIB:,.1f} MiB")
+        rows += [(f"memory: {k}", f"{v / _MIB:,.1f} MiB") for k, v in memory.items()]
+        lines = ["| setting | value |", "|---|---|"]
+        return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows])
+
+
+def _ring_size(
+    strategy: AbstractShardingStrategy, mask: AbstractMask, seq_len: int, num_devices: int
+) -> tuple[int, int]:
+    """`(capacity, num_steps)`: slots per shard of the strategy's layout and the ring
+    steps the mask needs (shapes only: no layout is computed)."""
+    layout = jax.eval_shape(lambda: strategy.layout(seq_len, num_devices))
+    return layout.capacity, ring_window(mask, layout)[1]
+
+
+def _shapes(cfg: dict, block: int, num_devices: int) -> Shapes:
+    strategy = suggest_strategy(cfg["mask"], block)
+    capacity, num_steps = _ring_size(strategy, cfg["mask"], cfg["seq_len"], num_devices)
+    return Shapes(
+        batch=cfg["batch"] // cfg["batch_devices"],
+        capacity=capacity,
+        num_steps=num_steps,
+        heads=cfg["heads"],
+        kv_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"],
+        itemsize=jnp.dtype(cfg["dtype"]).itemsize,
+        block_q=block,
+        block_kv=block,
+    )
+
+
+def _problem(cfg: dict, block: int, remat: Remat, num_devices: int) -> Shapes | LMShapes:
+    shapes = _shapes(cfg, block, num_devices)
+    if cfg["kind"] == "attention":
+        return shapes
+    return LMShapes(shapes, cfg["vocab_size"], cfg["dim"], cfg["num_layers"], cfg["hidden"], remat)
+
+
+def _predict(cfg: dict, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
+    problem = _problem(cfg, block, remat, num_devices)
+    if isinstance(problem, LMShapes):
+        return predict_lm(problem)
+    return predict_attention(problem)
+
+
+def plan_problem(p: Plan) -> Shapes | LMShapes:
+    """The per-device sizes the model predicts `p` from (for calibration)."""
+    cfg = {name: getattr(p, name) for name in _CFG_FIELDS}
+    return _problem(cfg, p.block_q, p.remat, p.num_devices)
+
+
+def _make(cfg: dict, block: int, remat: Remat, memory: MemoryBreakdown) -> Plan:
+    fields = {k: v for k, v in cfg.items() if k != "max_memory_usage"}
+    return Plan(
+        **fields,
+        strategy=suggest_strategy(cfg["mask"], block),
+        block_q=block,
+        block_kv=block,
+        remat=remat,
+        max_memory_usage=cfg["max_memory_usage"],
+        memory=memory,
+    )
+
+
+def _remats(cfg: dict, remat: Remat | None) -> tuple[Remat, ...]:
+    if remat is not None:
+        return (remat,)
+    return _REMATS if cfg["kind"] == "lm" else ("none",)
+
+
+def _search(cfg: dict, remat: Remat | None, block: int | None) -> Plan | None:
+    """The first (remat, tile) that fits, cheapest in compute first: no remat with
+    smaller tiles before remat."""
+    blocks = _tiles(cfg["device"]) if block is None else (block,)
+    for r in _remats(cfg, remat):
+        for b in blocks:
+            memory = _predict(cfg, b, r, cfg["num_devices"])
+            if _fits(cfg, memory):
+                return _make(cfg, b, r, memory)
+    return None
+
+
+def _fits(cfg: dict, memory: MemoryBreakdown) -> bool:
+    """Whether the prediction, with the model's headroom, is within the budget."""
+    return memory.total * (1 + headroom(cfg["kind"])) <= cfg["max_memory_usage"]
+
+
+def _no_fit_message(cfg: dict, remat: Remat | None, block: int | None) -> str:
+    """What would fit: more devices on the ring, or a larger budget."""
+    r = _remats(cfg, remat)[-1]
+    b = _tiles(cfg["device"])[-1] if block is None else block
+    p, budget = cfg["num_devices"], cfg["max_memory_usage"]
+    least = _predict(cfg, b, r, p)
+    fixed = least.parameters + least.optimizer_state
+    need = least.total * (1 + headroom(cfg["kind"]))
+    head = (
+        f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
+        f"seq_len={cfg['seq_len']} on num_devices={p} needs at least "
+        f"{need / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b}, with the model's "
+        f"{headroom(cfg['kind']):.0%} headroom)"
+    )
+    if fixed >= budget:
+        return (
+            f"{head}; parameters and optimizer state alone take {fixed / _MIB:,.1f} MiB "
+            "on every device, whatever the ring size: raise max_memory_usage or shrink "
+            "the model."
+        )
+    more = p
+    while more < 2**16 * p:
+        more *= 2
+        memory = _predict(cfg, b, r, more)
+        if _fits(cfg, memory):
+            return (
+                f"{head}. It fits on num_devices={more} ({memory.total / _MIB:,.1f} MiB "
+                f"per device), or raise max_memory_usage to {need / _MIB:,.1f} MiB."
+            )
+    return f"{head}: raise max_memory_usage to {need / _MIB:,.1f} MiB."
+
+
+def _budget(device: str, max_memory_usage: int | None) -> int:
+    if device != "cpu" and device not in HARDWARE:
+        raise ValueError(f"`device` must be 'cpu' or one of {sorted(HARDWARE)}; got {device!r}.")
+    if max_memory_usage is not None:
+        if not isinstance(max_memory_usage, int) or max_memory_usage < 1:
+            raise ValueError(
+                f"`max_memory_usage` must be a positive int (bytes per device); got "
+                f"{max_memory_usage!r}."
+            )
+        return max_memory_usage
+    memory = HARDWARE[device].memory if device != "cpu" else None
+    if memory is None:
+        raise ValueError(
+            f"The device profile {device!r} has no memory size: pass `max_memory_usage` "
+            "(bytes per device)."
+        )
+    return int(memory)
+
+
+def _check_sizes(cfg: dict) -> None:
+    for name in ("seq_len", "num_devices", "batch", "batch_devices", "heads", "kv_heads"):
+        value = cfg[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
+    if cfg["heads"] % cfg["kv_heads"] != 0:
+        raise ValueError(
+            f"`heads` must be a multiple of `kv_heads`; got heads={cfg['heads']}, "
+            f"kv_heads={cfg['kv_heads']}."
+        )
+    if cfg["batch"] % cfg["batch_devices"] != 0:
+        raise ValueError(
+            f"`batch`={cfg['batch']} must be divisible by `batch_devices`={cfg['batch_devices']}."
+        )
+
+
+def _lm_sizes(cfg: dict, dim, num_layers, vocab_size, hidden, head_dim) -> dict:
+    """The LM's sizes (all None for an attention plan)."""
+    given = {"dim": dim, "num_layers": num_layers, "vocab_size": vocab_size}
+    if all(v is None for v in given.values()):
+        if head_dim is None:
+            raise ValueError("`head_dim` is required for an attention plan (no `dim`).")
+        return {"kind": "attention", **given, "hidden": None, "head_dim": head_dim}
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"An LM plan needs `dim`, `num_layers` and `vocab_size`; missing {missing}."
+        )
+    head_dim = dim // cfg["heads"] if head_dim is None else head_dim
+    hidden = 4 * dim if hidden is None else hidden
+    return {"kind": "lm", **given, "hidden": hidden, "head_dim": head_dim}
+
+
+def plan(
+    seq_len: int,
+    num_devices: int,
+    *,
+    heads: int,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    batch: int = 1,
+    batch_devices: int = 1,
+    dtype: DTypeLike = jnp.float32,
+    mask: AbstractMask | None = None,
+    dim: int | None = None,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+    hidden: int | None = None,
+    device: str = "cpu",
+    max_memory_usage: int | None = None,
+    remat: Remat | None = None,
+    block_size: int | None = None,
+) -> Plan:
+    """Choose tiles, rematerialisation and a sharding strategy that fit a memory budget.
+
+    Two problems: ring attention's forward and backward alone (give `head_dim`), or a
+    [`ringeqx.nn.RingTransformerLM`][] training step with Adam (give `dim`, `num_layers`
+    and `vocab_size`; the LM runs in float32). The planner predicts each candidate's
+    bytes per device with a model of the arrays the program holds, calibrated against
+    XLA's `memory_analysis()` (see the [memory guide](../memory.md#planning-memory)),
+    and returns the first candidate that fits, cheapest in compute first: no remat
+    before `"attention"` before `"block"`, and for each the largest tile that fits.
+
+    **Arguments:**
+
+    - `seq_len`: tokens per example. `num_devices`: devices on the ring.
+    - `heads`, `kv_heads` (default `heads`), `head_dim` (default `dim // heads`).
+    - `batch`: examples per step; `batch_devices`: devices on the `"batch"` mesh axis
+        (each holds `batch / batch_devices` examples).
+    - `dtype`: of q/k/v (attention alone).
+    - `mask`: the attention mask (default `Causal()`); the plan suggests its strategy
+        (`Zigzag` for causal, `WorkBalanced` for packed documents, `Uniform` for windows
+        and full attention).
+    - `dim`, `num_layers`, `vocab_size`, `hidden` (default `4 * dim`): the LM.
+    - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
+        budget).
+    - `max_memory_usage`: bytes per device (default: the device profile's memory).
+    - `remat`, `block_size`: fix a knob instead of searching it.
+
+    **Returns:** a [`ringeqx.Plan`][].
+
+    **Raises:** `ValueError` when nothing fits, saying what would: how many devices on
+    the ring, or how large a budget.
+
+    **Example:**
+
+    ```python
+    p = ringeqx.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
+                     max_memory_usage=2**30)
+    model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    ```
+    """
+    cfg = {
+        "seq_len": seq_len,
+        "num_devices": num_devices,
+        "batch": batch,
+        "batch_devices": batch_devices,
+        "heads": heads,
+        "kv_heads": heads if kv_heads is None else kv_heads,
+        "mask": Causal() if mask is None else mask,
+        "device": device,
+    }
+    _check_sizes(cfg)
+    cfg |= _lm_sizes(cfg, dim, num_layers, vocab_size, hidden, head_dim)
+    cfg["dtype"] = jnp.dtype(jnp.float32 if cfg["kind"] == "lm" else dtype).name
+    cfg["max_memory_usage"] = _budget(device, max_memory_usage)
+    if remat is not None and remat not in _REMATS:
+        raise ValueError(f"`remat` must be one of {_REMATS} or None; got {remat!r}.")
+    if cfg["kind"] == "attention" and remat not in (None, "none"):
+        raise ValueError(
+            f"`remat`={remat!r} needs an LM plan (`dim`, ...): attention alone has no "
+            "layers to rematerialise (its custom VJP already recomputes the scores)."
+        )
+    found = _search(cfg, remat, block_size)
+    if found is None:
+        raise ValueError(_no_fit_message(cfg, remat, block_size))
+    return found

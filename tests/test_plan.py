@@ -1,0 +1,188 @@
+"""`ringeqx.plan`: predictions against XLA's compiled memory, budgets, errors, the CLI.
+
+Compile-only (no arrays are allocated) and small: the full grid, N from 2K to 64K, is
+`benchmarks/plan_grid.py`.
+"""
+
+import json
+
+import jax
+import pytest
+
+import ringeqx as rx
+from ringeqx._cli import main
+from ringeqx._plan_model import headroom
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(seq_len=2048, num_devices=8, heads=4, head_dim=64, mask=rx.Causal()),
+        dict(
+            seq_len=4096,
+            num_devices=2,
+            heads=8,
+            kv_heads=2,
+            head_dim=64,
+            dtype="bfloat16",
+            mask=rx.SlidingWindow(1024),
+        ),
+        dict(
+            seq_len=2048,
+            num_devices=4,
+            heads=4,
+            kv_heads=4,
+            dim=128,
+            num_layers=2,
+            vocab_size=512,
+            mask=rx.Causal() & rx.Document(),
+        ),
+    ],
+    ids=["attention-causal-p8", "attention-window-p2-bf16", "lm-documents-p4"],
+)
+def test_plan_under_budget_compiles_under_it_and_within_15_percent(kwargs):
+    unbounded = rx.plan(max_memory_usage=2**40, **kwargs)
+    # A budget just above the preferred plan's prediction and the model's headroom.
+    budget = int(unbounded.memory.total * (1 + headroom(unbounded.kind)) * 1.01)
+    planned = rx.plan(max_memory_usage=budget, **kwargs)
+    assert planned.memory.total * (1 + headroom(planned.kind)) <= budget
+    measured = rx.measure_memory(planned)
+    assert measured["total"] == measured["arguments"] + measured["outputs"] + measured["temp"]
+    assert measured["total"] <= budget
+    assert abs(planned.memory.total / measured["total"] - 1) <= 0.15
+
+
+def test_breakdown_adds_up_and_lm_counts_parameters():
+    p = rx.plan(8192, 4, heads=4, dim=128, num_layers=2, vocab_size=512, max_memory_usage=2**40)
+    m = p.memory
+    parts = p.to_dict()["memory"]
+    assert m.total == parts.pop("total") == sum(parts.values())
+    assert min(parts.values()) >= 0
+    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.Array))
+    # Parameters in and out and their gradients, less what XLA reuses; Adam's two
+    # moments in and out.
+    assert m.parameters >= 4 * params
+    assert m.optimizer_state == 4 * 4 * params
+    attention = rx.plan(8192, 4, heads=4, head_dim=32, max_memory_usage=2**40).memory
+    assert attention.parameters == attention.optimizer_state == 0
+
+
+def test_suggested_strategy_follows_the_mask():
+    def strategy(mask):
+        return rx.plan(4096, 4, heads=2, head_dim=16, mask=mask, max_memory_usage=2**40).strategy
+
+    assert isinstance(strategy(rx.Causal()), rx.Zigzag)
+    assert isinstance(strategy(rx.Causal() & rx.Document()), rx.WorkBalanced)
+    assert isinstance(strategy(rx.SlidingWindow(512)), rx.Uniform)
+    assert isinstance(strategy(rx.Full()), rx.Uniform)
+
+
+def test_tighter_budget_gives_smaller_tiles():
+    kwargs = dict(heads=8, dim=256, num_layers=4, vocab_size=1024)
+    roomy = rx.plan(32768, 8, max_memory_usage=2**40, **kwargs)
+    assert (roomy.remat, roomy.block_q) == ("none", 256)
+    needs = int(roomy.memory.total * (1 + headroom("lm")))
+    tight = rx.plan(32768, 8, max_memory_usage=needs - 1, **kwargs)
+    assert (tight.remat, tight.block_q) != ("none", 256)
+    assert tight.memory.total < roomy.memory.total
+    assert tight.forward_tiles == tight.backward_tiles == (tight.block_q, tight.block_kv)
+
+
+def test_nothing_fits_says_how_many_devices_would():
+    kwargs = dict(heads=4, head_dim=64)
+    need = rx.plan(65536, 8, max_memory_usage=2**40, **kwargs).memory.total
+    with pytest.raises(ValueError, match=r"Nothing fits .* It fits on num_devices=16"):
+        rx.plan(65536, 8, max_memory_usage=int(need * 0.7), **kwargs)
+    with pytest.raises(ValueError, match="parameters and optimizer state alone"):
+        rx.plan(4096, 8, heads=4, dim=512, num_layers=8, vocab_size=32000, max_memory_usage=MIB)
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="has no memory size: pass `max_memory_usage`"):
+        rx.plan(4096, 8, heads=4, head_dim=64)
+    with pytest.raises(ValueError, match="`device` must be 'cpu' or one of"):
+        rx.plan(4096, 8, heads=4, head_dim=64, device="abacus")
+    with pytest.raises(ValueError, match="`heads` must be a multiple of `kv_heads`"):
+        rx.plan(4096, 8, heads=4, kv_heads=3, head_dim=64, max_memory_usage=2**30)
+    with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):
+        rx.plan(4096, 8, heads=4, dim=64, num_layers=2, max_memory_usage=2**30)
+    with pytest.raises(ValueError, match="`head_dim` is required"):
+        rx.plan(4096, 8, heads=4, max_memory_usage=2**30)
+    with pytest.raises(ValueError, match="`seq_len` must be a positive int"):
+        rx.plan(0, 8, heads=4, head_dim=64, max_memory_usage=2**30)
+    # A Literal argument: beartype (in the tests) or the planner itself rejects it.
+    with pytest.raises((ValueError, TypeError), match="remat"):
+        rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="all")
+    with pytest.raises(ValueError, match="needs an LM plan"):
+        rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="block")
+    attention = rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30)
+    with pytest.raises(ValueError, match="`plan` must be an LM plan"):
+        rx.nn.RingTransformerLM.from_plan(attention, key=jax.random.key(0))
+    with pytest.raises((ValueError, TypeError), match="checkpoint"):
+        rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint="most", key=jax.random.key(0))
+
+
+def test_profile_memory_is_the_default_budget():
+    p = rx.plan(
+        1 << 18, 8, heads=4, kv_heads=2, dim=128, num_layers=2, vocab_size=256, device="h100"
+    )
+    assert p.max_memory_usage == rx.HARDWARE["h100"].memory == 80 * 2**30
+    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    assert model.checkpoint == p.remat
+    assert model.blocks[0].attention.kernel == p.kernel()
+    assert model.blocks[0].attention.mask == p.mask
+
+
+def test_cli_plan_table_and_json(capsys):
+    args = [
+        "plan",
+        "--seq-len",
+        "8192",
+        "--devices",
+        "4",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--max-memory-mib",
+        "512",
+    ]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["strategy"] == "Zigzag()" and out["kind"] == "attention"
+    assert out["memory"]["total"] <= 512 * MIB
+    assert main(args + ["--dim", "128", "--vocab-size", "512"]) == 0
+    assert "| remat |" in capsys.readouterr().out
+    assert main(args[:-1] + ["0.5"]) == 1
+    assert "Nothing fits" in capsys.readouterr().out
+
+
+def test_remat_policies_give_the_same_gradients():
+    import equinox as eqx
+    import jax.numpy as jnp
+    import numpy as np
+
+    mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+    kwargs = dict(attention_kwargs=dict(kernel=rx.XlaKernel(8, 8)), key=jax.random.key(1))
+    models = [
+        rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint=c, **kwargs)
+        for c in ("none", "attention", "block")
+    ]
+    tokens = jax.random.randint(jax.random.key(2), (32,), 0, 16)
+
+    @jax.jit
+    def grads(models, tokens):
+        def one(model):
+            return eqx.filter_grad(lambda m: m.loss(tokens, tokens, mesh=mesh))(model)
+
+        return [jax.tree.leaves(eqx.filter(one(m), eqx.is_array)) for m in models]
+
+    none, attention, block = grads(models, tokens)
+    for a, b, c in zip(none, attention, block):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+    assert any(float(jnp.abs(x).max()) > 0 for x in none)
