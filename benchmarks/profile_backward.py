@@ -77,9 +77,10 @@ _DOT = re.compile(
 )
 
 
-def _dot_text(lines: list[str]) -> str | None:
-    """`lhs x rhs -> out (contract lhs dims)` of the first dot among `lines`, if any."""
-    defined = dict(m.groups() for m in map(_DEF.match, lines) if m)
+def _dot_text(lines: list[str], context: list[str] | None = None) -> str | None:
+    """`lhs x rhs -> out (contract lhs dims)` of the first dot among `lines`, if any;
+    operand shapes are looked up in `context` (default: `lines`)."""
+    defined = dict(m.groups() for m in map(_DEF.match, context or lines) if m)
     for line in lines:
         dot = _DOT.search(line)
         if dot:
@@ -110,7 +111,7 @@ def _fusion_kinds(hlo: str) -> tuple[dict[str, str], dict[str, str]]:
                 continue
             body = bodies.get(fusion.group(3), []) if fusion else [line]
             op = fusion.group(1) if fusion else name.group(1)
-            dot = _dot_text(body)
+            dot = _dot_text(body, None if fusion else lines)
             kinds[op] = "matmul" if dot else _kind_of(" ".join(body))
             if dot:
                 shapes[op] = dot
