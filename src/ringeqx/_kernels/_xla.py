@@ -37,17 +37,24 @@ def _modify(score_mod: AbstractScoreMod, s: Array, qi: TokenInfo, ki: TokenInfo)
     return out.reshape(s.shape)
 
 
-def _logits(q2, k, qi, ki, score_mod, scale, groups: int):
-    """Scaled (and modified) logits `[b, kv_heads, groups * bq, bk]` in float32 (a query
-    head's group folded into the rows), with the vjp of the modifier (identity when there
-    is none)."""
-    s = jnp.einsum("bhqd,bhkd->bhqk", q2, k, preferred_element_type=jnp.float32) * scale
+def _logits(q2, k, qi, ki, score_mod, scale, groups: int, keys_first: bool = False):
+    """Scaled (and modified) logits in float32, a query head's group folded into the rows:
+    `[b, kv_heads, groups * bq, bk]`, or keys on the rows `[b, kv_heads, bk, groups * bq]`
+    with `keys_first`; with the vjp of the modifier (applied in its own `[heads, q, k]`
+    order; identity when there is none)."""
+    spec = "bhqd,bhkd->bhkq" if keys_first else "bhqd,bhkd->bhqk"
+    s = jnp.einsum(spec, q2, k, preferred_element_type=jnp.float32) * scale
     if score_mod is None:
         return s, lambda ds: ds
-    b, kh, rows, bk = s.shape
+    b, kh = s.shape[:2]
+    rows, bk = (s.shape[3], s.shape[2]) if keys_first else s.shape[2:]
+    bq = rows // groups
 
     def mod(s):
-        s = _modify(score_mod, s.reshape(b, kh, groups, rows // groups, bk), qi, ki)
+        if keys_first:  # [b, kh, bk, (g, bq)] -> [b, kh, g, bq, bk] and back
+            s = jnp.moveaxis(s.reshape(b, kh, bk, groups, bq), 2, -1)
+            return jnp.moveaxis(_modify(score_mod, s, qi, ki), -1, 2).reshape(b, kh, bk, rows)
+        s = _modify(score_mod, s.reshape(b, kh, groups, bq, bk), qi, ki)
         return s.reshape(b, kh, rows, bk)
 
     s, vjp = jax.vjp(mod, s)
@@ -103,24 +110,6 @@ def _info_tiles(info: TokenInfo, num: int, block: int) -> tuple[TokenInfo, Block
     return tiles, BlockSummary.of(tiles, axis=(1, 2))
 
 
-def _keys_first_logits(q2, k, qi, ki, score_mod, scale, groups: int):
-    """Scaled (and modified) logits `[b, kv_heads, bk, groups * bq]` in float32, keys on
-    the rows, with the vjp of the modifier (applied in its own `[heads, q, k]` order)."""
-    s = jnp.einsum("bhkd,bhqd->bhkq", k, q2, preferred_element_type=jnp.float32) * scale
-    if score_mod is None:
-        return s, lambda ds: ds
-    b, kh, bk, rows = s.shape
-    bq = rows // groups
-
-    def mod(s):
-        s = jnp.moveaxis(s.reshape(b, kh, bk, groups, bq), 2, -1)
-        s = _modify(score_mod, s, qi, ki)
-        return jnp.moveaxis(s, -1, 2).reshape(b, kh, bk, rows)
-
-    s, vjp = jax.vjp(mod, s)
-    return s, lambda ds: vjp(ds)[0]
-
-
 def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
     """`(dq^T, dk, dv)` contributions of one `[b, kv_heads, groups, bq]` x `[b, kv_heads,
     bk]` tile, float32 (Flash Attention 2); `dq^T` is `[b, kv_heads, d, groups, bq]`.
@@ -132,7 +121,7 @@ def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
     b, kh, g, bq, d = q.shape
     bk = k.shape[2]
     q2, do2, lse2, de2 = (x.reshape((b, kh, g * bq) + x.shape[4:]) for x in (q, d_out, lse, delta))
-    s, mod_vjp = _keys_first_logits(q2, k, qi, ki, score_mod, scale, g)
+    s, mod_vjp = _logits(q2, k, qi, ki, score_mod, scale, g, keys_first=True)
     ok = _pair_mask(mask, qi, ki, keys_first=True)[:, None, :, None, :]
     ok = jnp.broadcast_to(ok, (b, 1, bk, g, bq)).reshape(b, 1, bk, g * bq)
     f32 = jnp.float32
