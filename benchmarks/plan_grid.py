@@ -56,17 +56,17 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def attention_config(rng: random.Random, lengths) -> dict:
+def attention_config(rng: random.Random, lengths, masks=None, devices=None) -> dict:
     h, kh, d = rng.choice(HEADS)
     return dict(
         seq_len=rng.choice(lengths),
-        num_devices=rng.choice([1, 2, 4, 8]),
+        num_devices=rng.choice(devices or [1, 2, 4, 8]),
         heads=h,
         kv_heads=kh,
         head_dim=d,
         batch=rng.choice([1, 2]),
         dtype=rng.choice(["float32", "bfloat16"]),
-        mask=rng.choice(list(MASKS)),
+        mask=rng.choice(masks or list(MASKS)),
         block_size=rng.choice([64, 128, 256, 512]),
     )
 
@@ -190,13 +190,15 @@ def calibrate(args) -> int:
     """Measure a seeded sample of `args.kind` configurations into its JSON file."""
     rng = random.Random(args.seed)
     lengths = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
-    make = attention_config if args.kind == "attention" else lm_config
     rows = []
     if args.append and os.path.exists(_data_path(args.kind)):
         rows = _refit_rows(_data_path(args.kind))
     lengths = args.calibration_lengths or lengths
     for i in range(args.points):
-        cfg = make(rng, lengths)
+        if args.kind == "attention":
+            cfg = attention_config(rng, lengths, args.calibration_masks, args.calibration_devices)
+        else:
+            cfg = lm_config(rng, lengths)
         log(f"[{args.kind} {i + 1}/{args.points}] {cfg}")
         rows.append(measured_row(cfg))
         _save(_data_path(args.kind), rows)
@@ -340,6 +342,12 @@ def main() -> int:
         nargs="+",
         default=None,
         help="N to sample from (default 1K .. 64K)",
+    )
+    parser.add_argument(
+        "--calibration-masks", nargs="+", choices=list(MASKS), default=None, help="attention only"
+    )
+    parser.add_argument(
+        "--calibration-devices", type=int, nargs="+", default=None, help="attention only"
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
     parser.add_argument("--lm-lengths", type=int, nargs="+", default=[2048, 65536])

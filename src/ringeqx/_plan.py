@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from ._kernels._xla import XlaKernel
-from ._masks import AbstractMask, Causal
+from ._masks import AbstractMask, Causal, Full
 from ._plan_model import (
     CATEGORIES,
     LMShapes,
@@ -207,6 +207,7 @@ def _shapes(cfg: dict, block: int, num_devices: int) -> Shapes:
         itemsize=jnp.dtype(cfg["dtype"]).itemsize,
         block_q=block,
         block_kv=block,
+        dense=isinstance(cfg["mask"], Full),
     )
 
 
