@@ -354,6 +354,13 @@ def test_block_rule_is_never_wrong(mask, seed):
     assert rule.shape == (pairs,)
     missed = np.asarray(exact & ~rule)
     assert not missed.any(), f"block rule says no for attending blocks {np.flatnonzero(missed)}"
+    # The other direction: where `must_attend` says every pair attends, every pair of
+    # tokens in the blocks' ranges does (valid or not: the kernels add validity).
+    every = jnp.all(mask.allows(q, k) | ~(q.valid & k.valid), axis=(1, 2))
+    must = mask.must_attend(qs, ks)
+    assert must.shape == (pairs,)
+    wrong = np.asarray(must & ~every)
+    assert not wrong.any(), f"must_attend says yes for blocks {np.flatnonzero(wrong)}"
 
 
 def test_block_rules_are_tight_where_they_can_be():
@@ -378,6 +385,22 @@ def test_block_rules_are_tight_where_they_can_be():
     prefix = rx.PrefixLM(5)
     assert prefix.may_attend(summary(0, 2), summary(4, 8))
     assert not prefix.may_attend(summary(0, 2), summary(5, 8))
+    # must_attend: True exactly where every pair of the ranges attends.
+    assert rx.Full().must_attend(summary(0, 9), summary(20, 30))
+    assert rx.Causal().must_attend(summary(10, 12), summary(3, 10))
+    assert not rx.Causal().must_attend(summary(10, 12), summary(3, 11))
+    assert w.must_attend(summary(10, 12), summary(9, 9))  # 12 - 9 = 3 < 4
+    assert not w.must_attend(summary(10, 12), summary(8, 9))  # 12 - 8 = 4
+    assert rx.Document().must_attend(summary(0, 3, seg=(2, 2)), summary(5, 9, seg=(2, 2)))
+    assert not rx.Document().must_attend(summary(0, 3, seg=(2, 2)), summary(5, 9, seg=(2, 3)))
+    assert spans.must_attend(summary(0, 3, span=(1, 1)), summary(5, 9, span=(1, 1)))
+    assert not spans.must_attend(summary(0, 3, span=(-1, -1)), summary(5, 9, span=(-1, -1)))
+    assert sparse.must_attend(summary(10, 19), summary(12, 15))  # inside block (1, 1)
+    assert not sparse.must_attend(summary(5, 15), summary(12, 30))
+    assert prefix.must_attend(summary(0, 2), summary(3, 4))
+    assert not prefix.must_attend(summary(0, 2), summary(4, 5))
+    assert (rx.Causal() & w).must_attend(summary(10, 12), summary(9, 10))
+    assert (rx.Causal() | rx.Document()).must_attend(summary(0, 3), summary(5, 9))
 
 
 def test_packed_documents_skip_cross_document_tiles():

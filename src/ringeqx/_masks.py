@@ -67,6 +67,17 @@ class AbstractMask(eqx.Module):
         blocks at once. Blocks without valid tokens are ruled out by the caller.
         """
 
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        """Block rule: does *every* query of block `q` attend to *every* key of block `k`?
+
+        The other direction of `may_attend`: True only when `allows` is True for every
+        pair of tokens within the two blocks' ranges. Kernels run such tiles without the
+        elementwise mask (the caller also requires every token of both blocks to be
+        valid). Optional: the default, False everywhere, is always correct and only
+        forgoes that fast path.
+        """
+        return jnp.zeros(_shape(q, k), bool)
+
     @abc.abstractmethod
     def max_distance(self) -> int | None:
         """A static bound on how far back a query looks, or None.
@@ -126,6 +137,19 @@ def block_rule(
     return q.any_valid & k.any_valid & mask.may_attend(q, k)
 
 
+def dense_rule(
+    mask: AbstractMask,
+    q: BlockSummary,
+    k: BlockSummary,
+    q_all_valid: Bool[Array, "*blocks"],
+    k_all_valid: Bool[Array, "*blocks"],
+) -> Bool[Array, "*blocks"]:
+    """True where every pair of a block of queries and a block of keys attends: every
+    token of both is valid and the mask's `must_attend` says so. Kernels run such tiles
+    without the elementwise mask."""
+    return q_all_valid & k_all_valid & mask.must_attend(q, k)
+
+
 def _shape(q: BlockSummary, k: BlockSummary) -> tuple[int, ...]:
     return jnp.broadcast_shapes(q.pos_min.shape, k.pos_min.shape)
 
@@ -137,6 +161,9 @@ class Full(AbstractMask):
         return jnp.ones(jnp.broadcast_shapes(q.positions.shape, k.positions.shape), bool)
 
     def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return jnp.ones(_shape(q, k), bool)
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return jnp.ones(_shape(q, k), bool)
 
     def max_distance(self) -> int | None:
@@ -157,6 +184,9 @@ class Causal(AbstractMask):
 
     def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return q.pos_max >= k.pos_min
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return q.pos_min >= k.pos_max
 
     def max_distance(self) -> int | None:
         return None
@@ -179,6 +209,10 @@ class Document(AbstractMask):
 
     def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return (q.seg_min <= k.seg_max) & (k.seg_min <= q.seg_max)
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        one = (q.seg_min == q.seg_max) & (k.seg_min == k.seg_max)
+        return one & (q.seg_min == k.seg_min)
 
     def max_distance(self) -> int | None:
         return None
@@ -239,6 +273,11 @@ class SlidingWindow(AbstractMask):
         low = 1 - self.window if self.two_sided else 0
         return (q.pos_max - k.pos_min >= low) & (q.pos_min - k.pos_max < self.window)
 
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        # Does the whole interval of q - k lie inside the window's?
+        low = 1 - self.window if self.two_sided else 0
+        return (q.pos_min - k.pos_max >= low) & (q.pos_max - k.pos_min < self.window)
+
     def max_distance(self) -> int | None:
         return self.window - 1
 
@@ -273,6 +312,10 @@ class PrefixLM(AbstractMask):
         n = self.prefix_len
         return (q.pos_max >= k.pos_min) | ((q.pos_min < n) & (k.pos_min < n))
 
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        n = self.prefix_len
+        return (q.pos_min >= k.pos_max) | ((q.pos_max < n) & (k.pos_max < n))
+
     def max_distance(self) -> int | None:
         return None
 
@@ -300,6 +343,11 @@ class BidirectionalSpans(AbstractMask):
         overlap = (q.span_min <= k.span_max) & (k.span_min <= q.span_max)
         spans = overlap & (q.span_max >= 0) & (k.span_max >= 0)
         return (q.pos_max >= k.pos_min) | spans
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        one = (q.span_min == q.span_max) & (k.span_min == k.span_max)
+        same = one & (q.span_min == k.span_min) & (q.span_min >= 0)
+        return (q.pos_min >= k.pos_max) | same
 
     def max_distance(self) -> int | None:
         return None
@@ -349,14 +397,24 @@ class BlockSparse(AbstractMask):
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         return self.block_mask[self._block(q.positions, 0), self._block(k.positions, 1)]
 
-    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+    def _rectangle(self, q: BlockSummary, k: BlockSummary):
+        """`(True entries, all entries)` of the map's rectangle that the blocks' position
+        ranges cover (a summed-area table, so cheap for any ranges)."""
         table = jnp.cumsum(jnp.cumsum(self.block_mask.astype(jnp.int32), 0), 1)
         table = jnp.pad(table, ((1, 0), (1, 0)))
         q_lo, q_hi = self._block(q.pos_min, 0), self._block(q.pos_max, 0) + 1
         k_lo, k_hi = self._block(k.pos_min, 1), self._block(k.pos_max, 1) + 1
         count = table[q_hi, k_hi] - table[q_lo, k_hi] - table[q_hi, k_lo] + table[q_lo, k_lo]
+        return count, (q_hi - q_lo) * (k_hi - k_lo)
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         nonempty = (q.pos_min <= q.pos_max) & (k.pos_min <= k.pos_max)
-        return nonempty & (count > 0)
+        return nonempty & (self._rectangle(q, k)[0] > 0)
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        nonempty = (q.pos_min <= q.pos_max) & (k.pos_min <= k.pos_max)
+        count, area = self._rectangle(q, k)
+        return nonempty & (count == area)
 
     def max_distance(self) -> int | None:
         return None
@@ -400,6 +458,9 @@ class And(AbstractMask):
     def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.may_attend(q, k) & self.right.may_attend(q, k)
 
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return self.left.must_attend(q, k) & self.right.must_attend(q, k)
+
     def max_distance(self) -> int | None:
         return _min_bound(self.left.max_distance(), self.right.max_distance())
 
@@ -422,6 +483,9 @@ class Or(AbstractMask):
 
     def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.may_attend(q, k) | self.right.may_attend(q, k)
+
+    def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return self.left.must_attend(q, k) | self.right.must_attend(q, k)
 
     def max_distance(self) -> int | None:
         return _max_bound(self.left.max_distance(), self.right.max_distance())

@@ -2,13 +2,14 @@
 
 import functools
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from .._masks import AbstractMask, block_rule
+from .._masks import AbstractMask, block_rule, dense_rule
 from .._numbers import as_int
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
@@ -104,15 +105,34 @@ def _pick(tree, index):
     return jax.tree.map(lambda x: x[index], tree)
 
 
-def _info_tiles(info: TokenInfo, num: int, block: int) -> tuple[TokenInfo, BlockSummary]:
+class _Tiles(NamedTuple):
+    """Per-tile token records `[num, batch, block]`, their summaries, and whether every
+    token of a tile is valid `[num]`."""
+
+    info: TokenInfo
+    summary: BlockSummary
+    full: Array
+
+
+def _info_tiles(info: TokenInfo, num: int, block: int) -> _Tiles:
     """`[batch, len]` records -> `[num, batch, block]` tiles and their summaries."""
     tiles = tile_info(info, num, block, axis=0)
-    return tiles, BlockSummary.of(tiles, axis=(1, 2))
+    return _Tiles(tiles, BlockSummary.of(tiles, axis=(1, 2)), jnp.all(tiles.valid, axis=(1, 2)))
 
 
-def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
+def _which(mask: AbstractMask, q: _Tiles, k: _Tiles, i, j):
+    """The branch tile `(i, j)` takes: 0 skipped (the block rule rules it out), 1 masked
+    elementwise, 2 dense (every pair attends: no elementwise mask)."""
+    qs, ks = _pick(q.summary, i), _pick(k.summary, j)
+    run = block_rule(mask, qs, ks)
+    dense = run & dense_rule(mask, qs, ks, q.full[i], k.full[j])
+    return run.astype(jnp.int32) + dense.astype(jnp.int32)
+
+
+def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale, dense=False):
     """`(dq^T, dk, dv)` contributions of one `[b, kv_heads, groups, bq]` x `[b, kv_heads,
     bk]` tile, float32 (Flash Attention 2); `dq^T` is `[b, kv_heads, d, groups, bq]`.
+    A `dense` tile (every pair attends) skips the elementwise mask.
 
     The tile is computed keys first, `[bk, groups * bq]` (a query head's group folded into
     the rows): every product then reads the large P and dS as they lie, and only the small
@@ -122,21 +142,27 @@ def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale):
     bk = k.shape[2]
     q2, do2, lse2, de2 = (x.reshape((b, kh, g * bq) + x.shape[4:]) for x in (q, d_out, lse, delta))
     s, mod_vjp = _logits(q2, k, qi, ki, score_mod, scale, g, keys_first=True)
-    ok = _pair_mask(mask, qi, ki, keys_first=True)[:, None, :, None, :]
-    ok = jnp.broadcast_to(ok, (b, 1, bk, g, bq)).reshape(b, 1, bk, g * bq)
     f32 = jnp.float32
-    p = jnp.where(ok, jnp.exp(s - lse2[:, :, None, :]), 0.0)
+    p = jnp.exp(s - lse2[:, :, None, :])
+    if not dense:
+        ok = _pair_mask(mask, qi, ki, keys_first=True)[:, None, :, None, :]
+        ok = jnp.broadcast_to(ok, (b, 1, bk, g, bq)).reshape(b, 1, bk, g * bq)
+        p = jnp.where(ok, p, 0.0)
     dv = jnp.einsum("bhkq,bhqd->bhkd", p.astype(d_out.dtype), do2, preferred_element_type=f32)
     dp = jnp.einsum("bhkd,bhqd->bhkq", v, do2, preferred_element_type=f32)
-    # Masked pairs contribute exactly nothing, a non-finite K or V row included.
-    dp = jnp.where(ok, dp, 0.0)
+    if not dense:
+        # Masked pairs contribute exactly nothing, a non-finite K or V row included.
+        dp = jnp.where(ok, dp, 0.0)
     ds = (mod_vjp(p * (dp - de2[:, :, None, :])) * scale).astype(q.dtype)
-    k_finite, k_bad = _finite_rows(k)
-    dq_t = jnp.einsum("bhkd,bhkq->bhdq", k_finite, ds, preferred_element_type=f32)
-    attends_bad = jnp.any(ok & k_bad[..., None], axis=2)[:, :, None, :]
-    dq_t = jnp.where(attends_bad, jnp.nan, dq_t).reshape(b, kh, d, g, bq)
+    if dense:  # every row attends every key: a non-finite one reaches them all as is
+        dq_t = jnp.einsum("bhkd,bhkq->bhdq", k, ds, preferred_element_type=f32)
+    else:
+        k_finite, k_bad = _finite_rows(k)
+        dq_t = jnp.einsum("bhkd,bhkq->bhdq", k_finite, ds, preferred_element_type=f32)
+        attends_bad = jnp.any(ok & k_bad[..., None], axis=2)[:, :, None, :]
+        dq_t = jnp.where(attends_bad, jnp.nan, dq_t)
     dk = jnp.einsum("bhkq,bhqd->bhkd", ds, q2, preferred_element_type=f32)
-    return dq_t, dk, dv
+    return dq_t.reshape(b, kh, d, g, bq), dk, dv
 
 
 def _pv(p: Array, v: Array) -> Array:
@@ -167,8 +193,10 @@ class XlaKernel(AbstractAttentionKernel):
     """Flash attention tiled in `block_q x block_kv` tiles, written in plain JAX.
 
     Per device, memory holds one `[heads, block_q, block_kv]` tile of scores at a time,
-    never the whole `[q_len, kv_len]` matrix. Tiles that the mask's block rule rules out
-    are skipped with `lax.cond` (a real branch on CPU, GPU and TPU). GQA is native: query
+    never the whole `[q_len, kv_len]` matrix. Each tile takes one of three branches
+    (`lax.switch`, a real branch on CPU, GPU and TPU): skipped where the mask's block rule
+    rules it out, dense (no elementwise mask at all) where its `must_attend` rule says
+    every pair attends, masked elementwise otherwise. GQA is native: query
     heads are grouped by their key/value head, so K/V are never copied.
 
     **Arguments:**
@@ -220,14 +248,14 @@ class XlaKernel(AbstractAttentionKernel):
             q_len, kh = q.shape[2], k.shape[1]
             bq, nq = _tile_sizes(self.block_q, q_len)
             bk, nk = _tile_sizes(self.block_kv, k.shape[2])
-            qi, q_sum = _info_tiles(q_info, nq, bq)
-            ki, k_sum = _info_tiles(kv_info, nk, bk)
+            q_tiles, k_tiles = _info_tiles(q_info, nq, bq), _info_tiles(kv_info, nk, bk)
+            qi, ki = q_tiles.info, k_tiles.info
             # Tiles are sliced where they lie (no tiled copies of q, k, v or out).
             qg = _grouped(q, kh, nq * bq)
             k, v = (pad_axis(x, 2, nk * bk) for x in (k, v))
 
             def q_tile(i, out_lse):
-                q_blk, qi_blk, qs = _tile(qg, i, bq, 3), _pick(qi, i), _pick(q_sum, i)
+                q_blk, qi_blk = _tile(qg, i, bq, 3), _pick(qi, i)
                 # A query head's group is folded into the rows: `[b, kv_heads, g * bq, d]`.
                 b, _, g, _, d = q_blk.shape
                 q2 = q_blk.reshape(b, kh, g * bq, d)
@@ -239,15 +267,18 @@ class XlaKernel(AbstractAttentionKernel):
                     k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
                     ki_blk = _pick(ki, j)
 
-                    def update(acc):
+                    def update(acc, dense: bool):
                         s, _ = _logits(q2, k_blk, qi_blk, ki_blk, score_mod, scale, g)
+                        if dense:
+                            return acc.update(s, jnp.array(True), v_blk, _pv)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
                         ok = jnp.broadcast_to(ok, (b, 1, g, bq, bk)).reshape(b, 1, g * bq, bk)
                         pv = functools.partial(_masked_pv, ok=ok)
                         return acc.update(s, ok, v_blk, pv)
 
-                    run = block_rule(mask, qs, _pick(k_sum, j))
-                    return jax.lax.cond(run, update, lambda c: c, acc), None
+                    branches = (lambda c: c, functools.partial(update, dense=False))
+                    branches += (functools.partial(update, dense=True),)
+                    return jax.lax.switch(_which(mask, q_tiles, k_tiles, i, j), branches, acc), None
 
                 acc, _ = jax.lax.scan(kv_step, init, jnp.arange(nk))
                 o, lse = acc.finish()
@@ -284,8 +315,8 @@ class XlaKernel(AbstractAttentionKernel):
             q_len, kh, kv_len = q.shape[2], k.shape[1], k.shape[2]
             bq, nq = _tile_sizes(self.block_q, q_len)
             bk, nk = _tile_sizes(self.block_kv, kv_len)
-            qi, q_sum = _info_tiles(q_info, nq, bq)
-            ki, k_sum = _info_tiles(kv_info, nk, bk)
+            q_tiles, k_tiles = _info_tiles(q_info, nq, bq), _info_tiles(kv_info, nk, bk)
+            qi, ki = q_tiles.info, k_tiles.info
             lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
             # Tiles are sliced where they lie, and gradients are added into their tiles.
             qs_in = [_grouped(x, kh, nq * bq) for x in (q, d_out, lse_safe, delta)]
@@ -293,24 +324,25 @@ class XlaKernel(AbstractAttentionKernel):
 
             def kv_tile(j, grads_all):
                 k_blk, v_blk, ki_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2), _pick(ki, j)
-                ks = _pick(k_sum, j)
 
                 def q_step(carry, i):
                     dq_all, dk, dv = carry
                     blocks = [_tile(x, i, bq, 3) for x in qs_in]
 
-                    def grads(_):
+                    def grads(dense: bool):
                         q_blk, do_blk, l_blk, de_blk = blocks
                         tiles = (q_blk, k_blk, v_blk, do_blk, l_blk, de_blk)
-                        args = (_pick(qi, i), ki_blk, mask, score_mod, scale)
+                        args = (_pick(qi, i), ki_blk, mask, score_mod, scale, dense)
                         return _tile_grads(*tiles, *args)
 
-                    def skip(_):
+                    def skip():
                         zero_q = jnp.zeros_like(jnp.moveaxis(blocks[0], -1, 2), jnp.float32)
                         return zero_q, jnp.zeros_like(dk), jnp.zeros_like(dv)
 
-                    run = block_rule(mask, _pick(q_sum, i), ks)
-                    dq_t, dk_t, dv_t = jax.lax.cond(run, grads, skip, None)
+                    branches = (skip, functools.partial(grads, False))
+                    branches += (functools.partial(grads, True),)
+                    index = _which(mask, q_tiles, k_tiles, i, j)
+                    dq_t, dk_t, dv_t = jax.lax.switch(index, branches)
                     return (_add_tile(dq_all, dq_t, i, bq, 4), dk + dk_t, dv + dv_t), None
 
                 dq_all, dk_all, dv_all = grads_all
