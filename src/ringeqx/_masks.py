@@ -21,7 +21,8 @@ class AbstractMask(eqx.Module):
     segment id, span id), never on slots, so it is exact under every sharding strategy.
     Padding is handled by the ring itself; masks never see it.
 
-    Subclass it to write your own mask: implement the five abstract methods below. Combine
+    Subclass it to write your own mask: implement the five abstract methods below
+    (and, optionally, `must_attend`, which lets kernels run fully visible tiles unmasked). Combine
     masks with `a & b` and `a | b`. What a mask reads (`reads`) is not declared: it is read
     off the rule itself, so `ring_attention` asks for `segment_ids` or `span_ids` exactly
     when your rule uses them.
