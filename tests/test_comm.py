@@ -265,6 +265,58 @@ def test_report_counts_and_bytes():
     assert "collective-permute" in str(r)
 
 
+def test_report_hybrid_and_allgather():
+    # 8 devices, 64 tokens: the pure ring has 8 shards of 8; the hybrid a ring of 4
+    # shards of 16 tokens over a Ulysses axis of 2 (3 query heads and 1 kv head each).
+    seq, f32 = CAP * 8, 4
+    q, k, v = qkv(jax.random.key(8), (), seq, HEADS, KV_HEADS, HEAD_DIM)
+    sinks = jnp.linspace(-1.0, 1.0, HEADS)
+    hm, m = _hybrid_mesh(4, 2), mesh(8)
+
+    def report(m, config, backward=False, **kw):
+        def f(q, k, v):
+            return rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=m, config=config, **kw)
+
+        def g(q, k, v):
+            out, vjp = jax.vjp(f, q, k, v)
+            return vjp(out)
+
+        return rx.comm_report(jax.jit(g if backward else f), q, k, v, mesh=m)
+
+    ring, hybrid = report(m, rx.RingConfig()), report(hm, HYBRID)
+    # All-to-alls over the Ulysses axis, each moving the device's whole array (its
+    # bytes before or after: equal): q, k and v in (seq / 8 tokens, all heads), the
+    # output back (float32 here); no lse without sinks.
+    q_bytes = seq // 8 * HEADS * HEAD_DIM * f32  # 960
+    kv_bytes = seq // 8 * KV_HEADS * HEAD_DIM * f32  # 320
+    rows = [r for r in hybrid.rows if r.kind == "all-to-all"]
+    assert rows and all(r.axes == ("ulysses",) for r in rows)
+    assert hybrid.count("all-to-all") == 4
+    assert hybrid.bytes("all-to-all") == 2 * q_bytes + 2 * kv_bytes == 2560
+    # K/V on the ring: 2 (R - 1) hops of [1 kv head, 16 tokens] on the ring of 4, against
+    # [2 kv heads, 8 tokens] on the ring of 8: 1920 bytes per device against 4480.
+    assert hybrid.bytes("collective-permute", "f32") == 2 * 3 * 1 * 16 * HEAD_DIM * f32 == 1920
+    assert ring.bytes("collective-permute", "f32") == 2 * 7 * 2 * 8 * HEAD_DIM * f32 == 4480
+    assert ring.count("all-to-all") == 0
+    # With sinks the lse (seq / 8 tokens, all heads) comes back too.
+    with_sinks = report(hm, HYBRID, sinks=sinks)
+    assert with_sinks.count("all-to-all") == 5
+    assert with_sinks.bytes("all-to-all") == 2560 + seq // 8 * HEADS * f32
+    # Backward: the transposes: d_out in, dq/dk/dv out (4 more).
+    assert report(hm, HYBRID, backward=True).count("all-to-all") == 8
+    # allgather: K and V gathered whole once over the ring axis (plus the token
+    # records); no collective-permute; the backward reduce-scatters dK and dV.
+    fwd = report(m, ALLGATHER)
+    assert fwd.count("collective-permute") == 0
+    (row,) = [r for r in fwd.rows if r.kind == "all-gather" and r.dtype == "f32"]
+    assert row.axes == ("sequence",) and row.count == 2
+    assert row.bytes_per_op == KV_HEADS * seq * HEAD_DIM * f32 == 2560
+    both = report(m, ALLGATHER, backward=True)
+    assert both.count("collective-permute") == 0
+    (row,) = [r for r in both.rows if r.kind == "reduce-scatter"]
+    assert row.count == 2 and row.bytes_per_op == kv_bytes
+
+
 def test_report_names_the_mesh_axis():
     m = mesh(2, 4, names=("batch", "sequence"))
     q, k, v = qkv(jax.random.key(5), (2,), 16, HEADS, KV_HEADS, HEAD_DIM)
@@ -392,6 +444,40 @@ def test_bad_knob_values():
     )
     with pytest.raises(ValueError, match=r"bidirectional=True.*communication_parallelism=3"):
         f.trace(q, k, v)
+
+
+def test_bad_hybrid_and_allgather():
+    # (the tests' runtime type checker may refuse it first, as a TypeError)
+    with pytest.raises((ValueError, TypeError), match="mode"):
+        rx.RingConfig(mode="gather")
+    for knob in (
+        dict(compression_dtype=jnp.bfloat16),
+        dict(grad_compression_dtype=jnp.bfloat16),
+        dict(communication_parallelism=2),
+        dict(ring_buffer_size=4),
+        dict(bidirectional=True),
+    ):
+        with pytest.raises(ValueError, match=f"allgather.*{next(iter(knob))} set"):
+            rx.RingConfig(mode="allgather", **knob)
+    q, k, v = qkv(jax.random.key(9), (), 32, HEADS, KV_HEADS, HEAD_DIM)
+    bad = [
+        (mesh(4), HYBRID, 32, r"`ulysses_axis` 'ulysses' must be a mesh axis other"),
+        (
+            _hybrid_mesh(2, 2),
+            rx.RingConfig(ulysses_axis="sequence"),
+            32,
+            "must be a mesh axis other than the ring axis",
+        ),
+        # 6 heads, 2 kv heads: Ulysses 4 does not divide them; 1 and 2 would.
+        (_hybrid_mesh(2, 4), HYBRID, 32, r"heads=6, kv_heads=2.*would work: \[1, 2\]"),
+        # 30 tokens on a ring of 2: shards of 15, not a multiple of 2.
+        (_hybrid_mesh(2, 2), HYBRID, 30, "15 tokens .*capacity.* multiple of 2"),
+    ]
+    for m, config, seq, match in bad:
+        args = (x[:seq] for x in (q, k, v))
+        f = jax.jit(lambda q, k, v, m=m, c=config: rx.ring_attention(q, k, v, mesh=m, config=c))
+        with pytest.raises(ValueError, match=match):
+            f.trace(*args)
 
 
 def test_cli_report():
