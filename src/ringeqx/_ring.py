@@ -598,7 +598,8 @@ def ring_attention(
         picks the default kernel and its tiles; a device JAX does not have is an error.
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter (CPU
         tests).
-    - `config`: a [`ringeqx.RingConfig`][].
+    - `config`: a [`ringeqx.RingConfig`][]: how K/V travel, including the Ulysses x ring
+        hybrid over a second mesh axis (`ulysses_axis=`) and `mode="allgather"`.
     - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits
         (several: [`ringeqx.Chain`][]). Its parameters are constants here (no gradient).
     - `span_ids`: `int[*batch, seq]` span ids (-1 = none), for `BidirectionalSpans()`;

@@ -24,8 +24,8 @@ class AbstractScoreMod(eqx.Module):
     trained, are not a score modifier but the `sinks=` argument of
     [`ringeqx.ring_attention`][], which differentiates them exactly.
 
-    Subclass it to write your own (implement `__call__`, `for_head` and `check`); combine
-    several with [`ringeqx.Chain`][].
+    Subclass it to write your own (implement `__call__`, `for_head` and `check`, and
+    `for_heads` if it has per-head parameters); combine several with [`ringeqx.Chain`][].
     """
 
     @abc.abstractmethod
