@@ -37,47 +37,134 @@ def _vjp_all(fns, q, k, v):
     return run(q, k, v, ct)
 
 
+def _vjp_per_mesh(fns, q, k, v):
+    """`_vjp_all` of `(mesh, fn)` pairs, one program per mesh (results in the order
+    given). XLA's CPU runtime aborts when one program runs collective-permutes of two
+    meshes over the same devices side by side (their rendezvous keys collide)."""
+    results = [None] * len(fns)
+    for m in {id(m): m for m, _ in fns}.values():
+        index = [i for i, (mi, _) in enumerate(fns) if mi is m]
+        for i, r in zip(index, _vjp_all([fns[i][1] for i in index], q, k, v)):
+            results[i] = r
+    return results
+
+
+HYBRID = rx.RingConfig(ulysses_axis="ulysses")
+ALLGATHER = rx.RingConfig(mode="allgather")
+HYBRID_ALLGATHER = rx.RingConfig(ulysses_axis="ulysses", mode="allgather")
+
+
+def _hybrid_mesh(ring: int, ulysses: int):
+    return mesh(ring, ulysses, names=("sequence", "ulysses"))
+
+
+def _ring_in_layout(layout, mask, m, config, **kwargs):
+    """ring_attention on q/k/v in the original order, through `layout` and back."""
+    shard = jax.vmap(layout.shard, in_axes=1, out_axes=1)
+    unshard = jax.vmap(layout.unshard, in_axes=1, out_axes=1)
+
+    def ring(q, k, v):
+        sq, sk, sv = (shard(x) for x in (q, k, v))
+        out = rx.ring_attention(
+            sq, sk, sv, mask=mask, layout=layout, order="layout", mesh=m, config=config, **kwargs
+        )
+        return unshard(out)
+
+    return ring
+
+
 @pytest.mark.parametrize("devices", [4, 8])
 def test_knobs_match_reference(devices):
-    m = mesh(devices)
+    m, hm = mesh(devices), _hybrid_mesh(devices // 2, 2)
     seq = CAP * devices
     seg = packed_segments(seq, [5, 11, 7])
     q, k, v = qkv(jax.random.key(devices), (), seq, HEADS, KV_HEADS, HEAD_DIM)
-    cases = [
+    product = [
         (strategy, mask)
         for strategy in (rx.Zigzag(), rx.WorkBalanced(chunk=2, iterations=100))
         for mask in (rx.Causal(), rx.Document(), rx.SlidingWindow(5))
     ]
     # Contiguous shards with a window: the early-stopped ring (and the -1 direction's
     # shifted start) on both one- and two-sided windows.
-    cases += [(rx.Uniform(), rx.SlidingWindow(5)), (rx.Uniform(), rx.SlidingWindow(5, True))]
+    cases = [(s, mask, EXACT) for s, mask in product]
+    cases += [(rx.Uniform(), rx.SlidingWindow(5), EXACT)]
+    cases += [(rx.Uniform(), rx.SlidingWindow(5, True), EXACT)]
+    # The hybrid (rings of devices / 2 over a Ulysses axis of 2) with every strategy and
+    # mask; allgather (on the full ring, and on top of the hybrid) with every mask.
+    cases += [(s, mask, [HYBRID]) for s, mask in product]
+    cases += [(s, mask, [ALLGATHER]) for s, mask in product[::2]]
+    cases += [(product[3][0], product[3][1], [HYBRID_ALLGATHER])]
     fns, refs = [], []
-    for strategy, mask in cases:
-        layout = strategy.layout(seq, devices, segment_ids=seg)
-        assert layout.capacity == CAP
-        shard = jax.vmap(layout.shard, in_axes=1, out_axes=1)
-
-        def ref(q, k, v, layout=layout, mask=mask):
-            return rx.reference_attention(q, k, v, mask=mask, segment_ids=seg)
-
-        refs.append(ref)
-        for config in EXACT:
-
-            def ring(q, k, v, layout=layout, mask=mask, config=config, shard=shard):
-                unshard = jax.vmap(layout.unshard, in_axes=1, out_axes=1)
-                sq, sk, sv = (shard(x) for x in (q, k, v))
-                out = rx.ring_attention(
-                    sq, sk, sv, mask=mask, layout=layout, order="layout", mesh=m, config=config
-                )
-                return unshard(out)
-
-            fns.append(ring)
-    got = _vjp_all(fns, q, k, v)
+    for strategy, mask, configs in cases:
+        ref_index = len(refs)
+        refs.append(
+            lambda q, k, v, mask=mask: rx.reference_attention(q, k, v, mask=mask, segment_ids=seg)
+        )
+        for config in configs:
+            hybrid = config.ulysses_axis is not None
+            layout = strategy.layout(seq, devices // 2 if hybrid else devices, segment_ids=seg)
+            assert layout.capacity == (2 * CAP if hybrid else CAP)
+            mm = hm if hybrid else m
+            fns.append((ref_index, (mm, _ring_in_layout(layout, mask, mm, config))))
+    got = _vjp_per_mesh([f for _, f in fns], q, k, v)
     want = _vjp_all(refs, q, k, v)
-    for i, (out, grads) in enumerate(got):
-        ref_out, ref_grads = want[i // len(EXACT)]
+    for (ref_index, _), (out, grads) in zip(fns, got):
+        ref_out, ref_grads = want[ref_index]
         assert_close(out, ref_out)
         for g, r in zip(grads, ref_grads):
+            assert_close(g, r)
+
+
+def test_hybrid_score_mods_sinks_and_gqa():
+    # 12 query heads on 4 kv heads (groups of 3): Ulysses 4 leaves 3 query heads and one
+    # kv head per device, Ulysses 2 six and two; ALiBi's slopes differ per head, so a
+    # device that used another chunk's slopes (or pairs a q head with the wrong kv
+    # head) would be caught.
+    heads, kv_heads, seq = 12, 4, 64
+    q, k, v = qkv(jax.random.key(7), (), seq, heads, kv_heads, HEAD_DIM)
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1, dtype=jnp.float32) / heads)
+    sinks = jnp.linspace(-1.0, 2.0, heads)
+    seg = packed_segments(seq, [9, 30, 4])
+    mods = [rx.ALiBi(slopes), rx.Chain(rx.ALiBi(slopes), rx.Softcap(3.0))]
+    layout = rx.Zigzag().layout(seq, 2)
+    m24, m42 = _hybrid_mesh(2, 4), _hybrid_mesh(4, 2)
+    cases = [
+        (mods[0], rx.Causal(), True, m24, HYBRID),
+        (mods[1], rx.Causal(), False, m24, HYBRID_ALLGATHER),
+        (mods[1], rx.SlidingWindow(9), False, m42, HYBRID),
+        (None, rx.Document(), False, m42, HYBRID_ALLGATHER),
+    ]
+    m8 = mesh(8)
+    fns, refs, rings = [], [], []
+    for mod, mask, with_layout, m, config in cases:
+        kw = dict(mask=mask, score_mod=mod, sinks=sinks)
+        if isinstance(mask, rx.Document):
+            kw["segment_ids"] = seg
+        if with_layout:
+            fns.append((m, _ring_in_layout(layout, mask, m, config, score_mod=mod, sinks=sinks)))
+        else:
+            # No layout: contiguous shards in the original order.
+            fns.append(
+                (
+                    m,
+                    lambda q, k, v, m=m, c=config, kw=kw: rx.ring_attention(
+                        q, k, v, mesh=m, config=c, **kw
+                    ),
+                )
+            )
+        refs.append(lambda q, k, v, kw=kw: rx.reference_attention(q, k, v, **kw))
+        rings.append((m8, lambda q, k, v, kw=kw: rx.ring_attention(q, k, v, mesh=m8, **kw)))
+    results = _vjp_per_mesh(fns + rings, q, k, v)
+    got, ring = results[: len(fns)], results[len(fns) :]
+    want = _vjp_all(refs, q, k, v)
+    for (out, grads), (ring_out, ring_grads), (ref_out, _) in zip(got, ring, want):
+        assert_close(out, ref_out)
+        # Gradients against the plain 8-device ring (itself tested against the
+        # reference): jitted under conftest's --xla_backend_optimization_level=0,
+        # reference_attention's dq/dk with ALiBi here come out with NaNs (XLA:CPU at -O0;
+        # eager, or at the default level, they have none).
+        assert_close(ring_out, ref_out)
+        for g, r in zip(grads, ring_grads):
             assert_close(g, r)
 
 
@@ -177,6 +264,58 @@ def test_report_counts_and_bytes():
     r = rx.comm_report(both(rx.RingConfig(grad_compression_dtype=jnp.bfloat16)), q, k, v, mesh=m)
     assert r.bytes("collective-permute", "u16") == 2 * (p - 1) * _kv_bytes(CAP, 2)
     assert "collective-permute" in str(r)
+
+
+def test_report_hybrid_and_allgather():
+    # 8 devices, 64 tokens: the pure ring has 8 shards of 8; the hybrid a ring of 4
+    # shards of 16 tokens over a Ulysses axis of 2 (3 query heads and 1 kv head each).
+    seq, f32 = CAP * 8, 4
+    q, k, v = qkv(jax.random.key(8), (), seq, HEADS, KV_HEADS, HEAD_DIM)
+    sinks = jnp.linspace(-1.0, 1.0, HEADS)
+    hm, m = _hybrid_mesh(4, 2), mesh(8)
+
+    def report(m, config, backward=False, **kw):
+        def f(q, k, v):
+            return rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=m, config=config, **kw)
+
+        def g(q, k, v):
+            out, vjp = jax.vjp(f, q, k, v)
+            return vjp(out)
+
+        return rx.comm_report(jax.jit(g if backward else f), q, k, v, mesh=m)
+
+    ring, hybrid = report(m, rx.RingConfig()), report(hm, HYBRID)
+    # All-to-alls over the Ulysses axis, each moving the device's whole array (its
+    # bytes before or after: equal): q, k and v in (seq / 8 tokens, all heads), the
+    # output back (float32 here); no lse without sinks.
+    q_bytes = seq // 8 * HEADS * HEAD_DIM * f32  # 960
+    kv_bytes = seq // 8 * KV_HEADS * HEAD_DIM * f32  # 320
+    rows = [r for r in hybrid.rows if r.kind == "all-to-all"]
+    assert rows and all(r.axes == ("ulysses",) for r in rows)
+    assert hybrid.count("all-to-all") == 4
+    assert hybrid.bytes("all-to-all") == 2 * q_bytes + 2 * kv_bytes == 2560
+    # K/V on the ring: 2 (R - 1) hops of [1 kv head, 16 tokens] on the ring of 4, against
+    # [2 kv heads, 8 tokens] on the ring of 8: 1920 bytes per device against 4480.
+    assert hybrid.bytes("collective-permute", "f32") == 2 * 3 * 1 * 16 * HEAD_DIM * f32 == 1920
+    assert ring.bytes("collective-permute", "f32") == 2 * 7 * 2 * 8 * HEAD_DIM * f32 == 4480
+    assert ring.count("all-to-all") == 0
+    # With sinks the lse (seq / 8 tokens, all heads) comes back too.
+    with_sinks = report(hm, HYBRID, sinks=sinks)
+    assert with_sinks.count("all-to-all") == 5
+    assert with_sinks.bytes("all-to-all") == 2560 + seq // 8 * HEADS * f32
+    # Backward: the transposes: d_out in, dq/dk/dv out (4 more).
+    assert report(hm, HYBRID, backward=True).count("all-to-all") == 8
+    # allgather: K and V gathered whole once over the ring axis (plus the token
+    # records); no collective-permute; the backward reduce-scatters dK and dV.
+    fwd = report(m, ALLGATHER)
+    assert fwd.count("collective-permute") == 0
+    (row,) = [r for r in fwd.rows if r.kind == "all-gather" and r.dtype == "f32"]
+    assert row.axes == ("sequence",) and row.count == 2
+    assert row.bytes_per_op == KV_HEADS * seq * HEAD_DIM * f32 == 2560
+    both = report(m, ALLGATHER, backward=True)
+    assert both.count("collective-permute") == 0
+    (row,) = [r for r in both.rows if r.kind == "reduce-scatter"]
+    assert row.count == 2 and row.bytes_per_op == kv_bytes
 
 
 def test_report_names_the_mesh_axis():
@@ -306,6 +445,40 @@ def test_bad_knob_values():
     )
     with pytest.raises(ValueError, match=r"bidirectional=True.*communication_parallelism=3"):
         f.trace(q, k, v)
+
+
+def test_bad_hybrid_and_allgather():
+    # (the tests' runtime type checker may refuse it first, as a TypeError)
+    with pytest.raises((ValueError, TypeError), match="mode"):
+        rx.RingConfig(mode="gather")
+    for knob in (
+        dict(compression_dtype=jnp.bfloat16),
+        dict(grad_compression_dtype=jnp.bfloat16),
+        dict(communication_parallelism=2),
+        dict(ring_buffer_size=4),
+        dict(bidirectional=True),
+    ):
+        with pytest.raises(ValueError, match=f"allgather.*{next(iter(knob))} set"):
+            rx.RingConfig(mode="allgather", **knob)
+    q, k, v = qkv(jax.random.key(9), (), 32, HEADS, KV_HEADS, HEAD_DIM)
+    bad = [
+        (mesh(4), HYBRID, 32, r"`ulysses_axis` 'ulysses' must be a mesh axis other"),
+        (
+            _hybrid_mesh(2, 2),
+            rx.RingConfig(ulysses_axis="sequence"),
+            32,
+            "must be a mesh axis other than the ring axis",
+        ),
+        # 6 heads, 2 kv heads: Ulysses 4 does not divide them; 1 and 2 would.
+        (_hybrid_mesh(2, 4), HYBRID, 32, r"heads=6, kv_heads=2.*would work: \[1, 2\]"),
+        # 30 tokens on a ring of 2: shards of 15, not a multiple of 2.
+        (_hybrid_mesh(2, 2), HYBRID, 30, "15 tokens .*capacity.* multiple of 2"),
+    ]
+    for m, config, seq, match in bad:
+        args = (x[:seq] for x in (q, k, v))
+        f = jax.jit(lambda q, k, v, m=m, c=config: rx.ring_attention(q, k, v, mesh=m, config=c))
+        with pytest.raises(ValueError, match=match):
+            f.trace(*args)
 
 
 def test_cli_report():

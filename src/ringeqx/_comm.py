@@ -1,5 +1,7 @@
 """Ring communication: configuration, and how K/V pieces and dK/dV travel round the ring."""
 
+from typing import Literal
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,30 @@ class RingConfig(eqx.Module):
         ring and half `-1`, using both directions of the links; each device runs the kernel
         once per direction per step, on the half-shard that came each way. The number of
         pieces must then be 1 (it becomes 2) or even.
+    - `ulysses_axis`: the name of a second mesh axis of size $U$ for the Ulysses x ring
+        hybrid (None, the default: the ring alone). q/k/v are then sharded over the
+        sequence on both axes, the ring axis major (`PartitionSpec(batch, (axis_name,
+        ulysses_axis))`); on each device an all-to-all over `ulysses_axis` trades the
+        sequence split for a head split, so that every device holds one whole ring shard
+        of $1/U$ of the heads (heads and kv heads in contiguous chunks, so that GQA groups
+        stay together); the ring then runs over `axis_name` on those heads, and a second
+        all-to-all brings the output back. The ring's K/V bytes per device fall by $U$
+        (a $U$-times shorter ring of $U$-times larger shards of $1/U$ of the heads), at
+        the price of four all-to-alls (q, k, v in; the output back). `heads` and
+        `kv_heads` must both be multiples of $U$, and the tokens per ring shard (the
+        layout's `capacity`) too. Score modifiers see their own heads
+        (`AbstractScoreMod.for_heads`); sinks apply after the output is back.
+    - `mode`: `"ring"` (the default) passes K/V round the ring, one shard per step.
+        `"allgather"` gathers all K/V (and their token records) on every device once,
+        with one `all_gather` over the ring axis, then runs the kernel once over the whole
+        sequence (the mask's block rule still skips tiles); the backward pass
+        reduce-scatters dK/dV. It needs memory for the whole sequence's K/V per device
+        and does not overlap the transfer with compute, but sends each shard once, in one
+        collective. The knobs of the ring's transfers do not apply to it:
+        `compression_dtype`, `grad_compression_dtype`, `communication_parallelism`,
+        `ring_buffer_size` and `bidirectional` must be left at their defaults (an error
+        otherwise). It combines with `ulysses_axis` (the gather then runs on each
+        device's heads).
 
     The checks that need the shard size (divisibility) run at trace time.
     """
@@ -58,6 +84,8 @@ class RingConfig(eqx.Module):
     communication_parallelism: int = eqx.field(static=True, default=1)
     ring_buffer_size: int | None = eqx.field(static=True, default=None)
     bidirectional: bool = eqx.field(static=True, default=False)
+    ulysses_axis: str | None = eqx.field(static=True, default=None)
+    mode: Literal["ring", "allgather"] = eqx.field(static=True, default="ring")
 
     def __check_init__(self):
         for name in ("compression_dtype", "grad_compression_dtype"):
@@ -76,6 +104,36 @@ class RingConfig(eqx.Module):
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(
                 f"RingConfig `ring_buffer_size` must be a positive int or None; got {t!r}."
+            )
+        if self.ulysses_axis is not None and not isinstance(self.ulysses_axis, str):
+            raise ValueError(
+                "RingConfig `ulysses_axis` must be a mesh axis name (str) or None; got "
+                f"{self.ulysses_axis!r}."
+            )
+        self._check_mode()
+
+    def _check_mode(self):
+        if self.mode not in ("ring", "allgather"):
+            raise ValueError(f"RingConfig `mode` must be 'ring' or 'allgather'; got {self.mode!r}.")
+        if self.mode == "ring":
+            return
+        defaults = RingConfig()
+        ignored = [
+            name
+            for name in (
+                "compression_dtype",
+                "grad_compression_dtype",
+                "communication_parallelism",
+                "ring_buffer_size",
+                "bidirectional",
+            )
+            if getattr(self, name) != getattr(defaults, name)
+        ]
+        if ignored:
+            raise ValueError(
+                "RingConfig `mode='allgather'` gathers K/V in one collective, so the ring's "
+                f"transfer settings do not apply to it; got {', '.join(ignored)} set. Leave "
+                "them at their defaults, or use mode='ring'."
             )
 
     def num_pieces(self, capacity: int) -> int:

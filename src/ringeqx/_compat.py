@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ._masks import AbstractMask, Causal, SlidingWindow
 from ._numbers import is_int
@@ -96,6 +96,11 @@ class _KeyBias(AbstractScoreMod):
         if self.bias.shape[0] == 1:
             return self
         return _KeyBias(jax.lax.dynamic_slice_in_dim(self.bias, head, 1))
+
+    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "_KeyBias":
+        if self.bias.shape[0] == 1:
+            return self
+        return _KeyBias(jax.lax.dynamic_slice_in_dim(self.bias, first, count))
 
     def check(self, heads: int) -> None:
         pass

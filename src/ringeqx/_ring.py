@@ -242,11 +242,15 @@ def _resolve_mesh(mesh, axis_name: str):
 def _constrain(x, mesh, spec: PartitionSpec):
     """Put `x` on `spec` where the mesh axes are Explicit (Auto axes need nothing)."""
     types = dict(zip(mesh.axis_names, mesh.axis_types))
-    explicit = PartitionSpec(
-        *(a if a is not None and types[a] == AxisType.Explicit else None for a in spec)
-    )
+
+    def explicit_only(a):
+        names = a if isinstance(a, tuple) else (a,)
+        explicit = a is not None and all(types[n] == AxisType.Explicit for n in names)
+        return a if explicit else None
+
     if AxisType.Explicit not in types.values():
         return x
+    explicit = PartitionSpec(*(explicit_only(a) for a in spec))
     return jax.sharding.reshard(x, NamedSharding(mesh, explicit))
 
 
@@ -382,10 +386,41 @@ def _check_early_stop(mask: AbstractMask, lay: Layout, num_steps: int, num_shard
 
 
 def _settings(kernel, scale, axis_name, num_shards, config, mask, lay) -> _Static:
-    """The static settings of the ring: how many steps it takes, from which start."""
+    """The static settings of the ring: how many steps it takes, from which start
+    (allgather mode: one step over the gathered K/V)."""
+    if config.mode == "allgather":
+        return _Static(kernel, scale, axis_name, num_shards, 1, config)
     num_ahead, num_steps = ring_window(mask, lay)
     _check_early_stop(mask, lay, num_steps, num_shards)
     return _Static(kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
+
+
+def _check_ulysses(config: RingConfig, mesh, axis_name, batch_axis, q, k, lay: Layout):
+    """The hybrid's checks: its axis is a second mesh axis that divides the heads, the kv
+    heads and the tokens per ring shard."""
+    u = config.ulysses_axis
+    if u is None:
+        return
+    if u not in mesh.axis_names or u in (axis_name, batch_axis):
+        raise ValueError(
+            f"RingConfig `ulysses_axis` {u!r} must be a mesh axis other than the ring axis "
+            f"{axis_name!r} and the batch axis; the mesh has axes {tuple(mesh.axis_names)}."
+        )
+    size, heads, kv_heads = mesh.shape[u], q.shape[-2], k.shape[-2]
+    if heads % size or kv_heads % size:
+        g = math.gcd(heads, kv_heads)
+        fits = [d for d in range(1, g + 1) if g % d == 0]
+        raise ValueError(
+            f"The Ulysses axis {u!r} splits the heads over its {size} devices, so `heads` "
+            f"and `kv_heads` must both be multiples of {size}; got heads={heads}, "
+            f"kv_heads={kv_heads}. Ulysses sizes that would work: {fits}."
+        )
+    if lay.capacity % size:
+        raise ValueError(
+            f"The Ulysses axis {u!r} splits each ring shard's {lay.capacity} tokens "
+            f"(the layout's capacity) over its {size} devices; the capacity must be a "
+            f"multiple of {size} (choose a sequence length or layout that gives one)."
+        )
 
 
 def _batch_axis(mesh, batch_shape) -> str | None:
@@ -401,32 +436,81 @@ def _batch_axis(mesh, batch_shape) -> str | None:
     return "batch"
 
 
+def _specs(st: _Static, batch_axis) -> tuple[PartitionSpec, PartitionSpec]:
+    """The specs of q/k/v in layout order and of the token records: the sequence over the
+    ring axis, and for the hybrid over `(ring, ulysses)` (ring major: an all-to-all over
+    the Ulysses axis then gives each device one whole ring shard)."""
+    u = st.config.ulysses_axis
+    seq = st.axis_name if u is None else (st.axis_name, u)
+    return PartitionSpec(batch_axis, seq), PartitionSpec(batch_axis, st.axis_name)
+
+
+def _attend(st: _Static, q, k, v, info, mask, score_mod):
+    """One device's attention for its ring shard `[b, C, h, d]`: the ring, or (allgather
+    mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`."""
+    # Heads-major inside the device: the kernels' matmuls then batch over heads.
+    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    kv_info = info
+    if st.config.mode == "allgather":
+        # Autodiff turns the gather into a reduce-scatter of dK/dV in the backward pass.
+        def gather(x, axis):
+            return jax.lax.all_gather(x, st.axis_name, axis=axis, tiled=True)
+
+        kh, vh = gather(kh, 2), gather(vh, 2)
+        kv_info = jax.tree.map(lambda x: gather(x, 1), info)
+    out, lse = _ring(st, qh, kh, vh, info, kv_info, mask, score_mod)
+    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+
+
+def _ulysses(st: _Static, q, k, v, info, mask, score_mod, cast, with_lse: bool):
+    """The hybrid on one device: all-to-all over the Ulysses axis from `[b, C/U, H, d]`
+    to `[b, C, H/U, d]` (contiguous head chunks: q head `h` and its kv head `h // groups`
+    land on one device), the ring on those heads, and the inverse all-to-all back."""
+    u = st.config.ulysses_axis
+    q, k, v = (jax.lax.all_to_all(x, u, 2, 1, tiled=True) for x in (q, k, v))
+    heads = q.shape[2]
+    if score_mod is not None:
+        score_mod = score_mod.for_heads(jax.lax.axis_index(u) * heads, heads)
+        score_mod.check(heads)
+    out, lse = _attend(st, q, k, v, info, mask, score_mod)
+
+    def back(x):
+        return jax.lax.all_to_all(x, u, 1, 2, tiled=True)
+
+    return back(cast(out)), (back(lse) if with_lse else lse)
+
+
 def _shard_map(st: _Static, mesh, batch_axis, qkv, lay: Layout, mask, score_mod, sinks):
     """Run the ring on each device over `[batch, seq, heads, head_dim]` q/k/v in layout
     order; the result, in that order, is typed like q (float32 before the sinks)."""
     dtype = qkv[0].dtype
-    seq_spec = PartitionSpec(batch_axis, st.axis_name)
+    seq_spec, info_spec = _specs(st, batch_axis)
     info = _broadcast_info(lay.token_info(), qkv[0].shape[0])
 
-    def local(q, k, v, info, mask, score_mod):
-        # Heads-major inside the device: the kernels' matmuls then batch over heads.
-        qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-        out, lse = _ring(st, qh, kh, vh, info, info, mask, score_mod)
-        out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    def cast(out):
         # With sinks, the float32 result is rescaled outside (where autodiff gives the
         # sinks their gradient) before the cast.
-        return (out if sinks is not None else out.astype(q.dtype)), lse
+        return out if sinks is not None else out.astype(dtype)
+
+    def local(q, k, v, info, mask, score_mod):
+        if st.config.ulysses_axis is not None:
+            out, lse = _ulysses(st, q, k, v, info, mask, score_mod, cast, sinks is not None)
+        else:
+            out, lse = _attend(st, q, k, v, info, mask, score_mod)
+            out = cast(out)
+        return (out, lse) if sinks is not None else out
 
     qkv = tuple(_constrain(x, mesh, seq_spec) for x in qkv)
-    info = jax.tree.map(lambda x: _constrain(x, mesh, seq_spec), info)
-    out, lse = jax.shard_map(
+    info = jax.tree.map(lambda x: _constrain(x, mesh, info_spec), info)
+    out = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(seq_spec, seq_spec, seq_spec, seq_spec, PartitionSpec(), PartitionSpec()),
-        out_specs=(seq_spec, seq_spec),
+        in_specs=(seq_spec, seq_spec, seq_spec, info_spec, PartitionSpec(), PartitionSpec()),
+        out_specs=(seq_spec, seq_spec) if sinks is not None else seq_spec,
         check_vma=False,
     )(*qkv, info, mask, score_mod)
     if sinks is not None:
+        out, lse = out
         out = apply_sinks(out, lse, sinks).astype(dtype)
     return out
 
@@ -514,7 +598,8 @@ def ring_attention(
         picks the default kernel and its tiles; a device JAX does not have is an error.
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter (CPU
         tests).
-    - `config`: a [`ringeqx.RingConfig`][].
+    - `config`: a [`ringeqx.RingConfig`][]: how K/V travel, including the Ulysses x ring
+        hybrid over a second mesh axis (`ulysses_axis=`) and `mode="allgather"`.
     - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits
         (several: [`ringeqx.Chain`][]). Its parameters are constants here (no gradient).
     - `span_ids`: `int[*batch, seq]` span ids (-1 = none), for `BidirectionalSpans()`;
@@ -604,6 +689,7 @@ def ring_attention(
     if original:
         q3, k3, v3 = (_shard(x, lay, mesh, batch_axis) for x in (q3, k3, v3))
     check_ids(mask, segment_ids, span_ids, layout)
+    _check_ulysses(config, mesh, axis_name, batch_axis, q, k, lay)
     mask.check(lay.seq_len)
     st = _settings(kernel_obj, scale, axis_name, mesh.shape[axis_name], config, mask, lay)
     out = _shard_map(st, mesh, batch_axis, (q3, k3, v3), lay, mask, score_mod, sinks)

@@ -24,8 +24,8 @@ class AbstractScoreMod(eqx.Module):
     trained, are not a score modifier but the `sinks=` argument of
     [`ringeqx.ring_attention`][], which differentiates them exactly.
 
-    Subclass it to write your own (implement `__call__`, `for_head` and `check`); combine
-    several with [`ringeqx.Chain`][].
+    Subclass it to write your own (implement `__call__`, `for_head` and `check`, and
+    `for_heads` if it has per-head parameters); combine several with [`ringeqx.Chain`][].
     """
 
     @abc.abstractmethod
@@ -58,6 +58,18 @@ class AbstractScoreMod(eqx.Module):
         through a block spec (no per-head slicing inside the kernel, which Triton and
         Mosaic cannot lower).
         """
+
+    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "AbstractScoreMod":
+        """This modifier as seen by the `count` query heads `first, ..., first + count -
+        1` alone (a contiguous chunk, with `count` static and `first` possibly traced).
+
+        The Ulysses x ring hybrid (`RingConfig(ulysses_axis=...)`) calls it on each
+        device, which holds one chunk of the heads: the result is called on scores whose
+        heads axis has size `count`, and its `check(count)` must pass. The default
+        returns `self`, right for a modifier without per-head parameters; one with them
+        (ALiBi slopes `[heads]`) must override it to keep the chunk's slice.
+        """
+        return self
 
     @abc.abstractmethod
     def check(self, heads: int) -> None:
@@ -104,6 +116,9 @@ class Softcap(AbstractScoreMod):
         return cap * jnp.tanh(scores / cap)
 
     def for_head(self, head: Int[Array, ""]) -> "Softcap":
+        return self
+
+    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "Softcap":
         return self
 
     def check(self, heads: int) -> None:
@@ -159,6 +174,9 @@ class ALiBi(AbstractScoreMod):
     def for_head(self, head: Int[Array, ""]) -> "ALiBi":
         return ALiBi(jax.lax.dynamic_slice_in_dim(self.slopes, head, 1))
 
+    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "ALiBi":
+        return ALiBi(jax.lax.dynamic_slice_in_dim(self.slopes, first, count))
+
     def check(self, heads: int) -> None:
         got = self.slopes.shape[0]
         if got != heads:
@@ -197,6 +215,9 @@ class Chain(AbstractScoreMod):
 
     def for_head(self, head: Int[Array, ""]) -> "Chain":
         return Chain(*(mod.for_head(head) for mod in self.mods))
+
+    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "Chain":
+        return Chain(*(mod.for_heads(first, count) for mod in self.mods))
 
     def check(self, heads: int) -> None:
         for mod in self.mods:
