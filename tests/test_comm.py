@@ -6,6 +6,7 @@ import io
 
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import pytest
 from helpers import assert_close, mesh, packed_segments, qkv
 
@@ -166,6 +167,93 @@ def test_hybrid_score_mods_sinks_and_gqa():
         assert_close(ring_out, ref_out)
         for g, r in zip(grads, ring_grads):
             assert_close(g, r)
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_zigzag_balance_matches_reference(devices):
+    # The balance trades shard halves inside the ring: exact on the default contiguous
+    # path (batched, packed documents, a window) and on a layout, values and gradients.
+    m = mesh(devices)
+    seq = CAP * devices
+    seg = packed_segments(seq, [5, 11, 7])
+    q, k, v = qkv(jax.random.key(40 + devices), (2,), seq, HEADS, KV_HEADS, HEAD_DIM)
+    balance = rx.RingConfig(balance="zigzag")
+    cases = [
+        (rx.Causal(), None),
+        (rx.Causal() & rx.Document(), seg),
+        (rx.SlidingWindow(5), None),
+        (rx.Full(), None),
+    ]
+    fns, refs = [], []
+    for mask, ids in cases:
+        fns.append(
+            lambda q, k, v, mask=mask, ids=ids: rx.ring_attention(
+                q, k, v, mask=mask, segment_ids=ids, mesh=m, config=balance
+            )
+        )
+        refs.append(
+            lambda q, k, v, mask=mask, ids=ids: rx.reference_attention(
+                q, k, v, mask=mask, segment_ids=ids
+            )
+        )
+    layout = rx.WorkBalanced(chunk=2, iterations=50).layout(seq, devices, segment_ids=seg)
+
+    def on_layout(q, k, v):
+        return rx.ring_attention(
+            q,
+            k,
+            v,
+            mask=rx.Causal() & rx.Document(),
+            layout=layout,
+            order="original",
+            mesh=m,
+            config=balance,
+        )
+
+    fns.append(on_layout)
+    refs.append(refs[1])
+    for (out, grads), (ref_out, ref_grads) in zip(_vjp_all(fns, q, k, v), _vjp_all(refs, q, k, v)):
+        assert_close(out, ref_out)
+        for g, r in zip(grads, ref_grads):
+            assert_close(g, r)
+
+
+def test_zigzag_balance_trades_halves_by_permutes():
+    # Hand-computed: q, k, v go out as two half-shard permutes each and the output comes
+    # back as two: 8 more float32 permutes of half a shard, and no gather of any kind.
+    p = 4
+    m = mesh(p)
+    q, k, v = qkv(jax.random.key(7), (), CAP * p, HEADS, KV_HEADS, HEAD_DIM)
+
+    def forward(config):
+        return jax.jit(
+            lambda q, k, v: rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=m, config=config)
+        )
+
+    plain = rx.comm_report(forward(rx.RingConfig()), q, k, v, mesh=m)
+    balanced = rx.comm_report(forward(rx.RingConfig(balance="zigzag")), q, k, v, mesh=m)
+    half = CAP // 2
+    extra = 2 * (half * HEADS * HEAD_DIM * 4) * 2 + 2 * 2 * (half * KV_HEADS * HEAD_DIM * 4)
+    assert (
+        balanced.bytes("collective-permute", "f32")
+        == plain.bytes("collective-permute", "f32") + extra
+    )
+    assert (
+        balanced.count("collective-permute", "f32") == plain.count("collective-permute", "f32") + 8
+    )
+    for kind in ("all-gather", "all-to-all", "all-reduce", "reduce-scatter"):
+        assert balanced.count(kind) == 0
+    # Odd shards cannot be halved: a clear error.
+    q, k, v = qkv(jax.random.key(7), (), 3 * p, HEADS, KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="balance='zigzag'.*even number of tokens per shard"):
+        forward(rx.RingConfig(balance="zigzag")).trace(q, k, v)
+    # Our own check, as a user without jaxtyping's runtime hook meets it.
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        with pytest.raises(ValueError, match="`balance` must be None or 'zigzag'"):
+            rx.RingConfig(balance="striped")
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def test_compression_is_close_and_never_overflows():

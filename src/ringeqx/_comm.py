@@ -69,6 +69,16 @@ class RingConfig(eqx.Module):
         `ring_buffer_size` and `bidirectional` must be left at their defaults (an error
         otherwise). It combines with `ulysses_axis` (the gather then runs on each
         device's heads).
+    - `balance`: `"zigzag"` evens out causal work on any layout, the default contiguous
+        one included: inside the ring each device trades halves of its shard with two
+        others (two collective-permutes per array, never a gather), so that it holds
+        chunks `i` and `2P - 1 - i` of the `2P` chunks of the sequence, as
+        [`ringeqx.Zigzag`][] places them, and the output is traded back. Under a causal
+        mask every device then does the same work at every step, instead of device
+        `P - 1` doing all of its steps while device 0 skips most. The token records
+        travel with the tokens, so every mask stays exact; the ring runs all its steps
+        (the window early stop assumes contiguous shards). Needs an even number of
+        tokens per shard. None (the default): no trade.
 
     The checks that need the shard size (divisibility) run at trace time.
     """
@@ -86,6 +96,7 @@ class RingConfig(eqx.Module):
     bidirectional: bool = eqx.field(static=True, default=False)
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     mode: Literal["ring", "allgather"] = eqx.field(static=True, default="ring")
+    balance: Literal["zigzag"] | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         for name in ("compression_dtype", "grad_compression_dtype"):
@@ -111,6 +122,10 @@ class RingConfig(eqx.Module):
                 f"{self.ulysses_axis!r}."
             )
         self._check_mode()
+        if self.balance not in (None, "zigzag"):
+            raise ValueError(
+                f"RingConfig `balance` must be None or 'zigzag'; got {self.balance!r}."
+            )
 
     def _check_mode(self):
         if self.mode not in ("ring", "allgather"):

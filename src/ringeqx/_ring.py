@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from ._balance import from_zigzag, to_zigzag
 from ._checks import check_ring_args
 from ._comm import RingConfig, RingPlan
 from ._compat import translate
@@ -390,6 +391,9 @@ def _settings(kernel, scale, axis_name, num_shards, config, mask, lay) -> _Stati
     (allgather mode: one step over the gathered K/V)."""
     if config.mode == "allgather":
         return _Static(kernel, scale, axis_name, num_shards, 1, config)
+    if config.balance is not None:
+        # The traded shards are not contiguous: no early stop.
+        return _Static(kernel, scale, axis_name, num_shards, num_shards, config)
     num_ahead, num_steps = ring_window(mask, lay)
     _check_early_stop(mask, lay, num_steps, num_shards)
     return _Static(kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
@@ -448,6 +452,8 @@ def _specs(st: _Static, batch_axis) -> tuple[PartitionSpec, PartitionSpec]:
 def _attend(st: _Static, q, k, v, info, mask, score_mod):
     """One device's attention for its ring shard `[b, C, h, d]`: the ring, or (allgather
     mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`."""
+    if st.config.balance is not None:
+        q, k, v, info = to_zigzag((q, k, v, info), st.axis_name, st.num_shards)
     # Heads-major inside the device: the kernels' matmuls then batch over heads.
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     kv_info = info
@@ -459,7 +465,10 @@ def _attend(st: _Static, q, k, v, info, mask, score_mod):
         kh, vh = gather(kh, 2), gather(vh, 2)
         kv_info = jax.tree.map(lambda x: gather(x, 1), info)
     out, lse = _ring(st, qh, kh, vh, info, kv_info, mask, score_mod)
-    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    if st.config.balance is not None:
+        out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards)
+    return out, lse
 
 
 def _ulysses(st: _Static, q, k, v, info, mask, score_mod, cast, with_lse: bool):

@@ -1,0 +1,73 @@
+"""Causal load balance on the default path: contiguous shards to zigzag shards and back
+inside the ring's `shard_map`, by two collective-permutes of half-shards (never a gather).
+
+Contiguous shard `j` holds chunks `2j, 2j + 1` of the `2P` chunks of the sequence; zigzag
+shard `i` holds chunks `i` and `2P - 1 - i` (as `ringeqx.Zigzag`). Chunk `c` goes to device
+`c` if `c < P`, else `2P - 1 - c`: the even chunks form one permutation of the devices and
+the odd chunks another, so each half-shard moves in one hop.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+
+def _home(chunk: int, num_shards: int) -> int:
+    """The zigzag device of chunk `chunk`."""
+    return chunk if chunk < num_shards else 2 * num_shards - 1 - chunk
+
+
+def _perms(num_shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Source-target pairs that send each device's even and odd chunk to its zigzag home."""
+    p = num_shards
+    return (
+        [(j, _home(2 * j, p)) for j in range(p)],
+        [(j, _home(2 * j + 1, p)) for j in range(p)],
+    )
+
+
+def _halves(x: Array, axis: int) -> tuple[Array, Array]:
+    if x.shape[axis] % 2:
+        raise ValueError(
+            "RingConfig(balance='zigzag') needs an even number of tokens per shard; got "
+            f"{x.shape[axis]} (pad the sequence to a multiple of 2 x the ring size)."
+        )
+    return tuple(jnp.split(x, 2, axis))  # type: ignore[return-value]
+
+
+def _even_device(axis_name: str) -> Array:
+    return jax.lax.axis_index(axis_name) % 2 == 0
+
+
+def to_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
+    """This device's contiguous shard -> its zigzag shard, for every leaf (sequence on
+    `axis`). Runs inside `shard_map` over `axis_name`."""
+    even_perm, odd_perm = _perms(num_shards)
+    even_device = _even_device(axis_name)
+
+    def move(x):
+        lo, hi = _halves(x, axis)
+        even = jax.lax.ppermute(lo, axis_name, even_perm)
+        odd = jax.lax.ppermute(hi, axis_name, odd_perm)
+        # Device i's first chunk, i, has i's parity; its second, 2P - 1 - i, the other.
+        first = jnp.where(even_device, even, odd)
+        second = jnp.where(even_device, odd, even)
+        return jnp.concatenate([first, second], axis)
+
+    return jax.tree.map(move, tree)
+
+
+def from_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
+    """Inverse of `to_zigzag`: this device's zigzag shard -> its contiguous shard."""
+    even_perm, odd_perm = _perms(num_shards)
+    even_device = _even_device(axis_name)
+
+    def move(y):
+        first, second = _halves(y, axis)
+        even = jnp.where(even_device, first, second)
+        odd = jnp.where(even_device, second, first)
+        lo = jax.lax.ppermute(even, axis_name, [(b, a) for a, b in even_perm])
+        hi = jax.lax.ppermute(odd, axis_name, [(b, a) for a, b in odd_perm])
+        return jnp.concatenate([lo, hi], axis)
+
+    return jax.tree.map(move, tree)
