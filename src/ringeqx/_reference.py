@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -65,7 +66,9 @@ def reference_attention(
         z = sinks.astype(jnp.float32).reshape(heads, 1, 1)
         z = z.reshape((1,) * (s.ndim - 3) + z.shape)
         m = jnp.maximum(m, z)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
+    # Softmax does not depend on the shift: no gradient through the max (and none of its
+    # tie-breaking at -inf rows).
+    m = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
