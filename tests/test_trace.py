@@ -1,0 +1,45 @@
+import glob
+import os
+
+import jax
+import pytest
+from jax.sharding import AxisType
+
+import ringeqx as rx
+
+
+def test_profile_program_dumps_traces_and_attributes_collectives(tmp_path):
+    """One small ring: the per-compile dump holds this compile's HLO text, the profiler's
+    trace is written, and the ring's collective-permutes are collective time."""
+    mesh = jax.make_mesh((8,), ("sequence",), axis_types=(AxisType.Auto,))
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 256, 3, 8))
+
+    def attend(q, k, v, *, mask):
+        return rx.ring_attention(q, k, v, mask=mask, mesh=mesh)
+
+    dump, trace = str(tmp_path / "dump"), str(tmp_path / "trace")
+    profile = rx.profile_program(
+        attend, q, k, v, dump_dir=dump, trace_dir=trace, repeats=2, mask=rx.Causal()
+    )
+    after = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
+    assert after and "collective-permute(" in open(after[0]).read()
+    assert glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    assert profile.trace_file.startswith(trace) and profile.dump_dir == dump
+
+    # Every collective-permute the HLO executes per device, once on each of 8 devices.
+    per_device = rx.permute_stats(profile.hlo)[0]
+    assert per_device > 0
+    assert profile.collective_count == {"collective-permute": 8 * per_device}
+    assert profile.collective["collective-permute"] > 0
+    assert 0 < profile.waiting <= profile.collective_seconds
+    assert profile.compute["matmul"] > 0 and "collective-permute" not in profile.compute
+    assert len(profile.threads) == 8
+    for t in profile.threads:
+        assert 0 < t.collective + t.compute <= t.total
+        assert t.waiting <= t.collective
+    assert profile.total == pytest.approx(sum(t.total for t in profile.threads))
+    assert profile.collective_seconds + profile.compute_seconds <= profile.total
+    assert 0 < profile.wall and profile.repeats == 2
+    assert "collective: collective-permute" in str(profile)
+    with pytest.raises(ValueError, match="`repeats` must be a positive integer; got 0"):
+        rx.profile_program(attend, q, k, v, repeats=0, mask=rx.Causal())
