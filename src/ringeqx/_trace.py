@@ -227,7 +227,10 @@ def _thread_times(events: list[dict], kinds: dict[str, str], opcodes: dict[str, 
     seconds of one thread's events."""
     collective, counts, compute = (collections.Counter() for _ in range(3))
     waiting = 0.0
-    programs = [e for e in events if e["name"] == _PROGRAM]
+    # Backends without XLA:CPU's program event: the thread's outermost HLO ops.
+    programs = [e for e in events if e["name"] == _PROGRAM] or [
+        e for e in events if e["name"] in kinds
+    ]
     total = sum(e.get("dur", 0) for e in _outermost(programs)) / 1e6
     for e in events:
         seconds = e.get("dur", 0) / 1e6
@@ -307,7 +310,8 @@ def profile_program(
     `tf_XLAPjRtCpuClient/...`; a thread is not tied to one device):
 
     - **total**: the thread's `ThunkExecutor::Execute` events (the programs), outermost
-      only.
+      only; on a thread without them (other backends' traces, which this reading has not
+      been checked against), its outermost op events.
     - **collective**, per kind (`collective-permute`, `all-to-all`, `all-gather`,
       `all-reduce`, `reduce-scatter`): the events of ops whose HLO opcode is that
       collective (or its `-start` / `-done`).
