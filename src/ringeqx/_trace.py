@@ -185,7 +185,7 @@ class ProgramProfile(eqx.Module):
             f"wall time per call: {self.wall * 1e3:.3f} ms (median of {self.repeats}, not traced)",
             f"per call, summed over {len(self.threads)} device threads: "
             f"{self.total * 1e3:.3f} ms in programs",
-            f"{'kind':<28}{'ms':>10}{'share':>8}{'count':>8}",
+            f"{'kind':<32}{'ms':>10}{'share':>8}{'count':>8}",
         ]
         rows = [
             (f"collective: {k}", t, self.collective_count.get(k))
@@ -200,11 +200,11 @@ class ProgramProfile(eqx.Module):
         rows += [("other (control flow, runtime)", other, None)]
         for label, t, count in rows:
             shown = "" if count is None else f"{count:.0f}"
-            lines.append(f"{label:<28}{t * 1e3:>10.3f}{t / total:>8.0%}{shown:>8}")
-        lines.append(f"{'thread':<28}{'total':>10}{'collect.':>10}{'waiting':>10}{'compute':>10}")
+            lines.append(f"{label:<32}{t * 1e3:>10.3f}{t / total:>8.0%}{shown:>8}")
+        lines.append(f"{'thread':<32}{'total':>10}{'collect.':>10}{'waiting':>10}{'compute':>10}")
         for i, t in enumerate(self.threads):
             lines.append(
-                f"{f'thread {i}':<28}{t.total * 1e3:>10.3f}{t.collective * 1e3:>10.3f}"
+                f"{f'thread {i}':<32}{t.total * 1e3:>10.3f}{t.collective * 1e3:>10.3f}"
                 f"{t.waiting * 1e3:>10.3f}{t.compute * 1e3:>10.3f}"
             )
         lines.append(f"XLA dump: {self.dump_dir}")
