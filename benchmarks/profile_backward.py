@@ -2,16 +2,16 @@
 per compiled op and grouped by what the op does.
 
 Run: `python benchmarks/profile_backward.py` (8 fake CPU devices, N = 8192, 4 heads x 64,
-float32, q/k/v sharded over the ring, the full mask by default). It compiles the
-forward+backward of `ringeqx.ring_attention` and, for comparison, its forward alone; runs
-each once to warm up, then `--reps` times inside `jax.profiler.trace(--trace-dir)`. The
-trace directory is what XProf / TensorBoard's profile plugin open (`xprof --logdir
---trace-dir`); the script also reads the Perfetto copy of the trace and prints a Markdown
-report:
+float32, q/k/v sharded over the ring, the full mask by default). It profiles the
+forward+backward of `ringeqx.ring_attention` and, for comparison, its forward alone, each
+with `ringeqx.profile_program` (one warm-up run, then `--reps` timed and `--reps` traced
+runs inside `jax.profiler.trace(--trace-dir)`), which also reads the trace file the
+profiler writes. The trace directory is what XProf / TensorBoard's profile plugin open
+(`xprof --logdir TRACE_DIR`). The script prints a Markdown report:
 
 - per op kind (matmul, copy/transpose, exponential and other elementwise, reduction,
-  collective-permute, control flow), the time summed over the devices' threads and its
-  share, for the forward and for the forward+backward;
+  collective-permute apart from waiting at a collective), the time summed over the
+  devices' threads and its share, for the forward and for the forward+backward;
 - the matmuls one by one: their shapes (from the compiled HLO), count, time and rate
   against a same-run 4096 x 4096 matmul;
 - the backward's own time (forward+backward minus forward).
@@ -22,9 +22,6 @@ the shares, not the absolute numbers.
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
 import sys
@@ -64,97 +61,20 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._trace import op_kinds, op_times  # noqa: E402
 
 
-# Control-flow and runtime events contain the ops' own events: they are not counted.
-_CONTAINERS = re.compile(r"^(while|cond|conditional|call)(\.\d+)?$|Thunk|Slinky|^\$")
-_FUSION = re.compile(r"^%?([\w.\-]+) = (\S+) fusion\(.*calls=%?([\w.\-]+)")
-_COMPUTATION = re.compile(r"^%?([\w.\-]+) .*\{$")
-_DEF = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (\S+) ")
-_DOT = re.compile(
-    r"= (\S+) (?:dot|convolution)\(%?([\w.\-]+), %?([\w.\-]+)\)"
-    r"(?:.*lhs_contracting_dims=\{([\d,]*)\})?"
-)
-
-
-def _dot_text(lines: list[str], context: list[str] | None = None) -> str | None:
-    """`lhs x rhs -> out (contract lhs dims)` of the first dot among `lines`, if any;
-    operand shapes are looked up in `context` (default: `lines`)."""
-    defined = dict(m.groups() for m in map(_DEF.match, context or lines) if m)
-    for line in lines:
-        dot = _DOT.search(line)
-        if dot:
-            out, lhs, rhs, contract = dot.groups()
-            return (
-                f"{defined.get(lhs, '?')} x {defined.get(rhs, '?')} -> {out} "
-                f"(contract {contract or ''})"
-            )
-    return None
-
-
-def _fusion_kinds(hlo: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Op name -> kind, and matmul op name -> `lhs x rhs -> out` shapes, from the HLO."""
-    bodies: dict[str, list[str]] = collections.defaultdict(list)
-    current = None
-    for line in hlo.splitlines():
-        header = _COMPUTATION.match(line.strip())
-        if header and not line.startswith(" "):
-            current = header.group(1)
-        elif current:
-            bodies[current].append(line.strip())
-    kinds, shapes = {}, {}
-    for lines in bodies.values():
-        for line in lines:
-            fusion = _FUSION.match(line.removeprefix("ROOT "))
-            name = _DEF.match(line)
-            if not (fusion or name):
-                continue
-            body = bodies.get(fusion.group(3), []) if fusion else [line]
-            op = fusion.group(1) if fusion else name.group(1)
-            dot = _dot_text(body, None if fusion else lines)
-            kinds[op] = "matmul" if dot else _kind_of(" ".join(body))
-            if dot:
-                shapes[op] = dot
-    return kinds, shapes
-
-
-def _kind_of(text: str) -> str:
-    for kind, ops in (
-        ("collective-permute", ("collective-permute",)),
-        ("exponential / log", (" exponential(", " log(")),
-        ("reduction", (" reduce(", " reduce-window(")),
-        ("copy / transpose", (" transpose(", " copy(")),
-        ("slice / update", ("dynamic-slice(", "dynamic-update-slice(", " pad(", " slice(")),
-    ):
-        if any(op in text for op in ops):
-            return kind
-    return "other elementwise"
-
-
-def _op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
-    """Summed duration (s) and count of each op event in the newest Perfetto trace."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    data = json.load(gzip.open(max(paths, key=os.path.getmtime)))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    times, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and not _CONTAINERS.search(e["name"]):
-            times[e["name"]] += e.get("dur", 0) / 1e6
-            counts[e["name"]] += 1
-    return times, counts
-
-
-def _profile(compiled, arrays, reps: int, trace_dir: str):
-    jax.block_until_ready(compiled(*arrays))
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(reps):
-            jax.block_until_ready(compiled(*arrays))
-    times, counts = _op_times(trace_dir)
-    kinds, shapes = _fusion_kinds(compiled.as_text())
-    by_kind = collections.Counter()
-    for name, t in times.items():
-        kind = "waiting at a collective" if name == "Rendezvous" else kinds.get(name)
-        by_kind[kind or "other elementwise"] += t / reps
+def _profile(fn, arrays, reps: int, trace_dir: str):
+    """Op time per run by kind, and the matmuls one by one, from `rx.profile_program`."""
+    profile = rx.profile_program(fn, *arrays, trace_dir=trace_dir, repeats=reps)
+    by_kind = collections.Counter(profile.compute)
+    for kind, seconds in profile.collective.items():
+        by_kind[kind] += seconds
+    # The collectives' time includes waiting at them: shown apart.
+    by_kind["collective-permute"] -= profile.waiting
+    by_kind["waiting at a collective"] = profile.waiting
+    times, counts = op_times(profile.trace_file)
+    kinds, _, shapes = op_kinds(profile.hlo)
     matmuls = [
         (shapes[name], counts[name] / reps, times[name] / reps)
         for name in times
@@ -189,8 +109,7 @@ def _programs(mesh):
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(d_out)
 
-    forward = jax.jit(attend).lower(*arrays[:3]).compile()
-    return forward, jax.jit(both).lower(*arrays).compile(), arrays
+    return attend, both, arrays
 
 
 def _kind_table(fwd: collections.Counter, both: collections.Counter) -> list[str]:

@@ -62,6 +62,11 @@ from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
 from ._tokens import BlockSummary as BlockSummary, TokenInfo as TokenInfo
+from ._trace import (
+    ProgramProfile as ProgramProfile,
+    ThreadTime as ThreadTime,
+    profile_program as profile_program,
+)
 
 
 __version__ = importlib.metadata.version("ringeqx")

@@ -414,7 +414,24 @@ def report(args: argparse.Namespace) -> int:
         f"{args.mask} mask, seq {args.seq_len} on {p} devices, {config}"
     )
     _say(str(rx.comm_report(jax.jit(fn), q, kv, kv, mesh=mesh, cost=cost)))
+    if args.profile is not None:
+        _profile_report(fn, q, kv, args.profile)
     return 0
+
+
+def _profile_report(fn: Callable, q, kv, directory: str) -> None:
+    """`ringeqx report --profile DIR`: run the program on random arrays of the reported
+    shapes under the profiler; the XLA dump and the trace go under `DIR`."""
+    import jax
+
+    import ringeqx as rx
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    arrays = [jax.random.normal(key, s.shape, s.dtype) for key, s in zip(keys, (q, kv, kv))]
+    dump, trace = os.path.join(directory, "dump"), os.path.join(directory, "trace")
+    _say("")
+    _say(f"profile (XLA dump in {dump}, trace in {trace}):")
+    _say(str(rx.profile_program(fn, *arrays, dump_dir=dump, trace_dir=trace)))
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -585,6 +602,14 @@ def _report_arguments(report_parser: argparse.ArgumentParser) -> None:
     report_parser.add_argument("--bidirectional", action="store_true")
     report_parser.add_argument(
         "--forward-only", action="store_true", help="the forward pass only"
+    )
+    report_parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="also run the call on random arrays under jax.profiler and print where its "
+        "time goes (collectives, waiting, compute); the XLA dump goes to DIR/dump and the "
+        "trace to DIR/trace (open with `xprof --logdir DIR/trace`)",
     )
     report_parser.set_defaults(run=report)
 
