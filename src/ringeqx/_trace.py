@@ -227,10 +227,11 @@ def _thread_times(events: list[dict], kinds: dict[str, str], opcodes: dict[str, 
     seconds of one thread's events."""
     collective, counts, compute = (collections.Counter() for _ in range(3))
     waiting = 0.0
-    # Backends without XLA:CPU's program event: the thread's outermost HLO ops.
-    programs = [e for e in events if e["name"] == _PROGRAM] or [
-        e for e in events if e["name"] in kinds
-    ]
+    # The time the thread spent in device programs: the union of XLA:CPU's program
+    # events and of the HLO ops' own events. Ops can run outside a program event (a
+    # program resumed on another thread after a collective), and backends without that
+    # event have only the ops.
+    programs = [e for e in events if e["name"] == _PROGRAM or e["name"] in kinds]
     total = sum(e.get("dur", 0) for e in _outermost(programs)) / 1e6
     for e in events:
         seconds = e.get("dur", 0) / 1e6
