@@ -374,22 +374,25 @@ def test_masked_out_shard_offsets_are_never_sent():
     i, j = np.indices((p, p))
     band = jnp.asarray((i - j >= 0) & (i - j <= 1))  # blocks of 8: block i sees i - 1, i
     doc, doc_causal = rx.Document(), rx.Document() & rx.Causal()
-    cases = [  # (strategy, mask, (num_ahead, num_steps)), the windows by hand:
+    aligned = jnp.arange(seq, dtype=jnp.int32) // CAP  # one document per shard
+    cases = [  # (strategy, mask, segment ids, (num_ahead, num_steps)), windows by hand:
         # documents cross shard edges both ways; causally only the shard behind
-        (rx.Uniform(), doc, (1, 3)),
-        (rx.Uniform(), doc_causal, (0, 2)),
+        (rx.Uniform(), doc, seg, (1, 3)),
+        (rx.Uniform(), doc_causal, seg, (0, 2)),
         # Zigzag's second chunk runs backwards: its earlier tokens are one shard ahead
-        (rx.Zigzag(), doc_causal, (1, 3)),
+        (rx.Zigzag(), doc_causal, seg, (1, 3)),
         # chunks of 2 spread over the shards: two shards either way
-        (rx.WorkBalanced(chunk=2, iterations=100), doc, (2, 5)),
+        (rx.WorkBalanced(chunk=2, iterations=100), doc, seg, (2, 5)),
+        # a document per shard: no hop at all, and the dK/dV stay home
+        (rx.Uniform(), doc, aligned, (0, 1)),
         # no bounds here: only the block rule on the concrete layout finds these
-        (rx.Uniform(), rx.PrefixLM(6) & doc, (0, 2)),
-        (rx.Zigzag(), rx.PrefixLM(12) & rx.SlidingWindow(6), (2, 5)),
-        (rx.Uniform(), rx.BlockSparse(band, CAP), (0, 2)),
+        (rx.Uniform(), rx.PrefixLM(6) & doc, seg, (0, 2)),
+        (rx.Zigzag(), rx.PrefixLM(12) & rx.SlidingWindow(6), seg, (2, 5)),
+        (rx.Uniform(), rx.BlockSparse(band, CAP), seg, (0, 2)),
     ]
     q, k, v = qkv(jax.random.key(7), (), seq, HEADS, KV_HEADS, HEAD_DIM)
-    layouts = [s.layout(seq, p, segment_ids=seg) for s, _, _ in cases]
-    for layout, (_, mask, window) in zip(layouts, cases):
+    layouts = [s.layout(seq, p, segment_ids=ids) for s, _, ids, _ in cases]
+    for layout, (_, mask, _, window) in zip(layouts, cases):
         assert rx.num_ring_steps(mask, layout) == window[1] < p
         assert _needed_window(mask, layout) == window
     zig = layouts[2]
@@ -400,11 +403,12 @@ def test_masked_out_shard_offsets_are_never_sent():
         )
 
     fns = [
-        functools.partial(ring, layout=lay, mask=mask) for lay, (_, mask, _) in zip(layouts, cases)
+        functools.partial(ring, layout=lay, mask=mask)
+        for lay, (_, mask, _, _) in zip(layouts, cases)
     ]
     refs = [
-        functools.partial(rx.reference_attention, mask=mask, segment_ids=seg)
-        for _, mask, _ in cases
+        functools.partial(rx.reference_attention, mask=mask, segment_ids=ids)
+        for _, mask, ids, _ in cases
     ]
     ct = jax.random.normal(jax.random.key(123), q.shape)
 
@@ -427,7 +431,7 @@ def test_masked_out_shard_offsets_are_never_sent():
     # Forward permutes per call: one per hop of K, V, `valid` and each record the mask
     # reads (positions for Causal, segments for Document); hops: num_steps - 1, plus
     # the first one ahead when num_ahead > 0. The full ring: p - 1 hops.
-    for lay, (_, mask, (ahead, steps)) in list(zip(layouts, cases))[:4]:
+    for lay, (_, mask, _, (ahead, steps)) in list(zip(layouts, cases))[:5]:
         arrays = 3 + len(mask.reads())
         fwd = jax.jit(functools.partial(ring, layout=lay, mask=mask)).lower(q, k, v).compile()
         ops, _, _ = rx.permute_stats(fwd.as_text())
