@@ -167,7 +167,6 @@ def test_sliding_windows_match_dot_product_attention():
 # --- early stop -------------------------------------------------------------------------
 
 
-
 def test_early_stop_runs_and_sends_only_the_steps_that_matter():
     # P = 8 shards of capacity C = 8; a causal window W = 11 needs ceil(10 / 8) + 1 = 3
     # steps (<= ceil(W / C) + 1), a two-sided W = 6 one step each way: 3. Counted in the
