@@ -3,8 +3,8 @@
 With documents much shorter than a shard, each device needs its own shard and at most
 its neighbours; the ring reads that off the mask's block rule on the shards when the
 layout is concrete at trace time, and runs only those steps (no K/V hop for the others;
-`ringeqx.num_ring_steps` reports them). This script compares, on 8 fake CPU devices, `Document() & Causal()` over
-packed documents of 256-512 tokens:
+`ringeqx.num_ring_steps` reports them). This script compares, on 8 fake CPU devices,
+`Document() & Causal()` over packed documents of 256-512 tokens:
 
 - reduced: the layout closed over (concrete), so the ring runs `num_ring_steps` steps;
 - full: the same layout passed to the jitted function as an argument (traced), so only

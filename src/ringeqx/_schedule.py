@@ -28,10 +28,10 @@ class Schedule(eqx.Module):
 
     At ring step `s`, device `i` holds its own queries and the keys/values of shard
     `(i + a - s) mod P`, where `a` is 0 unless the ring starts `a` shards ahead (a
-    two-sided window; any layout whose needed shards lie ahead). The step runs only if the mask's block rule allows the two shards;
-    then the kernel runs a `block_q x block_kv` tile only if the block rule allows the two
-    tiles. A layout with batch axes is summed over them (the ring processes the whole
-    batch of a device together).
+    two-sided window; any layout whose needed shards lie ahead). The step runs only if
+    the mask's block rule allows the two shards; then the kernel runs a `block_q x
+    block_kv` tile only if the block rule allows the two tiles. A layout with batch axes
+    is summed over them (the ring processes the whole batch of a device together).
 
     **Fields:**
 
