@@ -4,6 +4,7 @@ It sits below both `_ring` and `_schedule`, so that the schedule reads the ring'
 rule without importing the ring.
 """
 
+import contextlib
 import math
 
 import jax
@@ -85,13 +86,23 @@ def _concrete(tree) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _now():
+    """Evaluate on concrete values now, outside any mesh context: inside `ring_attention`
+    an abstract mesh may be set (lowering for another platform), under which even eager
+    ops would need a lowering platform."""
+    with jax.ensure_compile_time_eval():
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            yield
+
+
 def needed_offsets(mask: AbstractMask, layout: Layout) -> np.ndarray | None:
     """`bool[shards]`: entry `d` is True where some device `i` needs the shard `i - d`
     (mod the shard count), always for `d = 0`; None when the layout or the mask is traced
     (their values are unknown until the program runs)."""
     if not _concrete((mask, layout)):
         return None
-    with jax.ensure_compile_time_eval():
+    with _now():
         pairs = shard_pairs(mask, layout)
     if isinstance(pairs, jax.core.Tracer):
         return None
@@ -163,4 +174,7 @@ def early_stop_error(mask: AbstractMask, layout: Layout) -> Bool[Array, ""]:
     j = jnp.arange(p)[None, :]
     # Device i meets shard j at step (i + num_ahead - j) mod p.
     met = (i + num_ahead - j) % p < num_steps
-    return jnp.any(~met & shard_pairs(mask, layout))
+    if not _concrete((mask, layout)):
+        return jnp.any(~met & shard_pairs(mask, layout))
+    with _now():
+        return jnp.any(~met & shard_pairs(mask, layout))
