@@ -2,11 +2,13 @@
 communication report (counts and bytes against hand-computed values)."""
 
 import contextlib
+import functools
 import io
 
 import jax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 import pytest
 from helpers import assert_close, mesh, packed_segments, qkv
 
@@ -588,3 +590,110 @@ def test_cli_report():
     assert code == 0
     assert "collective-permute  u16" in text and "A100 InfiniBand" in text
     assert "collective-permute  f32" not in text and "TPU v5p" in text
+
+
+# --- communication the mask rules out -----------------------------------------------------
+
+
+def _needed_window(mask, layout):
+    """Brute force, token by token (`allows`, not the block rule): the shard offsets
+    `i - j` of attending valid pairs, and the shortest circular run holding them and 0."""
+    p, cap = layout.num_shards, layout.capacity
+    pos, seg, val = (
+        np.asarray(x).reshape(-1) for x in (layout.positions, layout.segments, layout.valid)
+    )
+    info = rx.TokenInfo(*map(jnp.asarray, (pos, seg, np.full_like(pos, -1), val)))
+    q = jax.tree.map(lambda x: x[:, None], info)
+    k = jax.tree.map(lambda x: x[None, :], info)
+    ok = np.asarray(mask.allows(q, k)) & val[:, None] & val[None, :]
+    shard = np.arange(p * cap) // cap
+    offsets = set(((shard[:, None] - shard[None, :]) % p)[ok].tolist()) | {0}
+    best = (p, 0)
+    for low in offsets:  # the run starting at `low` (offset -num_ahead), going up
+        length = max((d - low) % p for d in offsets) + 1
+        best = min(best, (length, -low % p))
+    return (0, p) if best[0] >= p else (best[1], best[0])
+
+
+def test_masked_out_shard_offsets_are_never_sent():
+    # 8 devices x 8 slots, documents of 3-6 tokens: each device needs its own shard and a
+    # neighbour or two, not the whole ring. The ring runs only the window of offsets the
+    # block rule allows (values and gradients exact), sends K/V and the records the mask
+    # reads for those hops only, and the schedule counts the same steps. A layout passed
+    # traced (a jit argument) has no values at trace time: the full ring, still exact.
+    p = 8
+    seq, m = CAP * p, mesh(p)
+    seg = jnp.asarray(np.repeat(np.arange(20), [3, 5, 4, 6] * 5)[:seq], jnp.int32)
+    i, j = np.indices((p, p))
+    band = jnp.asarray((i - j >= 0) & (i - j <= 1))  # blocks of 8: block i sees i - 1, i
+    doc, doc_causal = rx.Document(), rx.Document() & rx.Causal()
+    aligned = jnp.arange(seq, dtype=jnp.int32) // CAP  # one document per shard
+    cases = [  # (strategy, mask, segment ids, (num_ahead, num_steps)), windows by hand:
+        # documents cross shard edges both ways; causally only the shard behind
+        (rx.Uniform(), doc, seg, (1, 3)),
+        (rx.Uniform(), doc_causal, seg, (0, 2)),
+        # Zigzag's second chunk runs backwards: its earlier tokens are one shard ahead
+        (rx.Zigzag(), doc_causal, seg, (1, 3)),
+        # chunks of 2 spread over the shards: two shards either way
+        (rx.WorkBalanced(chunk=2, iterations=100), doc, seg, (2, 5)),
+        # a document per shard: no hop at all, and the dK/dV stay home
+        (rx.Uniform(), doc, aligned, (0, 1)),
+        # no bounds here: only the block rule on the concrete layout finds these
+        (rx.Uniform(), rx.PrefixLM(6) & doc, seg, (0, 2)),
+        (rx.Zigzag(), rx.PrefixLM(12) & rx.SlidingWindow(6), seg, (2, 5)),
+        (rx.Uniform(), rx.BlockSparse(band, CAP), seg, (0, 2)),
+    ]
+    q, k, v = qkv(jax.random.key(7), (), seq, HEADS, KV_HEADS, HEAD_DIM)
+    layouts = [s.layout(seq, p, segment_ids=ids) for s, _, ids, _ in cases]
+    for layout, (_, mask, _, window) in zip(layouts, cases):
+        assert rx.num_ring_steps(mask, layout) == window[1] < p
+        assert _needed_window(mask, layout) == window
+    zig = layouts[2]
+
+    def ring(q, k, v, layout, mask):
+        return rx.ring_attention(
+            q, k, v, mask=mask, layout=layout, order="original", mesh=m, kernel=rx.XlaKernel(8, 4)
+        )
+
+    fns = [
+        functools.partial(ring, layout=lay, mask=mask)
+        for lay, (_, mask, _, _) in zip(layouts, cases)
+    ]
+    refs = [
+        functools.partial(rx.reference_attention, mask=mask, segment_ids=ids)
+        for _, mask, ids, _ in cases
+    ]
+    ct = jax.random.normal(jax.random.key(123), q.shape)
+
+    @jax.jit
+    def run(q, k, v, ct, traced):
+        fs = fns + [functools.partial(ring, layout=traced, mask=doc_causal)]
+        return [(lambda o, vjp: (o, vjp(ct)))(*jax.vjp(f, q, k, v)) for f in fs]
+
+    compiled = run.lower(q, k, v, ct, zig).compile()
+    got = compiled(q, k, v, ct, zig)
+    want = _vjp_all(refs, q, k, v)
+    for (out, grads), (ref, ref_grads) in zip(got, want + [want[2]]):
+        assert_close(out, ref)
+        for g, r in zip(grads, ref_grads):
+            assert_close(g, r)
+    # The traced layout's ring loops over all p - 1 hops; no concrete one does.
+    _, _, trips = rx.permute_stats(compiled.as_text())
+    assert max(trips) == p - 1 and sorted(trips)[-3] < p - 1
+
+    # Forward permutes per call: one per hop of K, V, `valid` and each record the mask
+    # reads (positions for Causal, segments for Document); hops: num_steps - 1, plus
+    # the first one ahead when num_ahead > 0. The full ring: p - 1 hops.
+    for lay, (_, mask, _, (ahead, steps)) in list(zip(layouts, cases))[:5]:
+        arrays = 3 + len(mask.reads())
+        fwd = jax.jit(functools.partial(ring, layout=lay, mask=mask)).lower(q, k, v).compile()
+        ops, _, _ = rx.permute_stats(fwd.as_text())
+        assert ops == arrays * (steps - 1 + (ahead > 0)) < arrays * (p - 1)
+        # The schedule follows: the same steps, all the useful pairs of the full ring's,
+        # and no more tiles (the full ring also runs tiles the finer rule rules out).
+        kernel = rx.XlaKernel(4, 4)
+        sched = rx.schedule(lay, mask, kernel=kernel)
+        full = jax.jit(lambda lay, mask=mask: rx.schedule(lay, mask, kernel=kernel))(lay)
+        assert sched.tiles_run.shape == (steps, p) and full.tiles_run.shape == (p, p)
+        assert float(jnp.sum(sched.pairs)) == float(jnp.sum(full.pairs)) > 0
+        assert 0 < int(sched.total_tiles) <= int(full.total_tiles)

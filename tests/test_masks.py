@@ -31,6 +31,7 @@ from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Bool
 
 import ringeqx as rx
+from ringeqx._steps import analytic_window
 
 
 HEADS, KV_HEADS, HEAD_DIM = 3, 1, 5
@@ -166,7 +167,6 @@ def test_sliding_windows_match_dot_product_attention():
 # --- early stop -------------------------------------------------------------------------
 
 
-
 def test_early_stop_runs_and_sends_only_the_steps_that_matter():
     # P = 8 shards of capacity C = 8; a causal window W = 11 needs ceil(10 / 8) + 1 = 3
     # steps (<= ceil(W / C) + 1), a two-sided W = 6 one step each way: 3. Counted in the
@@ -237,7 +237,10 @@ def test_early_stop_never_silently_drops_keys_ahead():
     m = mesh(4)
     q, k, v = qkv(jax.random.key(8), (), 24, HEADS, KV_HEADS, HEAD_DIM)
     liar = _ClaimsCausal(4)
-    assert rx.num_ring_steps(liar, rx.Uniform().layout(24, 4)) == 2
+    # Its bounds alone would stop after 2 steps (all a traced layout has to go on); the
+    # block rule on the concrete layout asks for one step ahead too.
+    assert analytic_window(liar, rx.Uniform().layout(24, 4)) == (0, 2)
+    assert rx.num_ring_steps(liar, rx.Uniform().layout(24, 4)) == 3
     with pytest.raises(ValueError, match="a shard it skips may attend: either the mask's"):
         rx.ring_attention(q, k, v, mask=liar, mesh=m, kernel=KERNEL)
     # The honest mask runs one step ahead as well (exactness: the early-stop test above
@@ -251,9 +254,11 @@ def test_early_stop_guard_catches_short_contiguous_shards():
     order = jnp.array([[0, 1, 2, 3], [4, -1, -1, -1], [5, -1, -1, -1], [6, 7, 8, 9]])
     layout = rx.layout_from_order(order, 10, contiguous=True)
     mask = rx.SlidingWindow(4)
-    assert rx.num_ring_steps(mask, layout) == 2
+    # The bounds say 2 steps; the block rule on these shards says all 4 (position 3 of
+    # shard 0 is 3 from position 6 of shard 3). A traced run would trust the bounds.
+    assert analytic_window(mask, layout)[1] == 2 and rx.num_ring_steps(mask, layout) == 4
     q, k, v = (layout.shard(x) for x in qkv(jax.random.key(9), (), 10, HEADS, KV_HEADS, 4))
-    with pytest.raises(ValueError, match="The ring stops after 2 of 4 steps"):
+    with pytest.raises(ValueError, match="stop the ring after 2 of 4 steps"):
         rx.ring_attention(
             q, k, v, mask=mask, layout=layout, order="layout", mesh=mesh(4), kernel=KERNEL
         )
@@ -292,8 +297,12 @@ def test_bounds_of_combinators():
     assert rx.num_ring_steps(w2 & rx.Causal(), layout) == 2
     assert rx.num_ring_steps(w2, layout) == 3
     assert rx.num_ring_steps(w | rx.Causal(), layout) == 8
-    # Non-contiguous layouts never stop early.
-    assert rx.num_ring_steps(w, rx.Zigzag().layout(64, 8)) == 8
+    # Non-contiguous layouts never stop early on the bounds alone (traced), but the block
+    # rule on a concrete Zigzag layout (chunks of 4: chunk c on shard c or 15 - c) finds
+    # the window's keys at most two chunks, so two shards, away either way: 5 steps.
+    zigzag = rx.Zigzag().layout(64, 8)
+    assert analytic_window(w, zigzag) == (0, 8)
+    assert rx.num_ring_steps(w, zigzag) == 5
 
 
 # --- block rules --------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, block_rule, check_ids
 from ._score_mods import AbstractScoreMod, apply_sinks, check_sinks
-from ._steps import early_stop_error, ring_window
+from ._steps import analytic_window, early_stop_error, ring_window
 from ._tokens import TokenInfo
 
 
@@ -368,18 +368,22 @@ def _flat_batch(layout: Layout) -> Layout:
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[-2:]), layout)
 
 
-def _check_early_stop(mask: AbstractMask, lay: Layout, num_steps: int, num_shards: int) -> None:
-    """Raise when the ring stops early but a shard it skips may attend."""
-    if num_steps >= num_shards:
+def _check_early_stop(mask: AbstractMask, lay: Layout) -> None:
+    """Raise when the mask's bounds would stop the ring early but a shard they skip may
+    attend (wrong bounds, or short shards in a contiguous layout)."""
+    num_steps = analytic_window(mask, lay)[1]
+    if num_steps >= lay.num_shards:
         return
     # Checked whenever the layout and mask are concrete (a runtime check would need a
-    # host callback, which cannot stop an SPMD program on every device).
+    # host callback, which cannot stop an SPMD program on every device). The ring then
+    # runs the block rule's window, but a traced run of the same mask and layout would
+    # trust the bounds and be silently wrong.
     with jax.ensure_compile_time_eval():
         bad = early_stop_error(mask, lay)
     if not isinstance(bad, jax.core.Tracer) and bool(bad):
         raise ValueError(
-            f"The ring stops after {num_steps} of {num_shards} steps (the mask's "
-            "max_distance/max_lookahead and a contiguous layout), but a shard it "
+            f"The mask's max_distance/max_lookahead and a contiguous layout stop the ring "
+            f"after {num_steps} of {lay.num_shards} steps, but a shard it "
             "skips may attend: either the mask's bounds are wrong or the layout's "
             "shards hold fewer than `capacity` tokens between others. Fix the "
             "bounds, or use a layout with contiguous=False."
@@ -387,15 +391,16 @@ def _check_early_stop(mask: AbstractMask, lay: Layout, num_steps: int, num_shard
 
 
 def _settings(kernel, scale, axis_name, num_shards, config, mask, lay) -> _Static:
-    """The static settings of the ring: how many steps it takes, from which start
-    (allgather mode: one step over the gathered K/V)."""
+    """The static settings of the ring: how many steps it takes, from which start (the
+    block rule's window when the layout and mask are concrete, else the bounds';
+    allgather mode: one step over the gathered K/V)."""
     if config.mode == "allgather":
         return _Static(kernel, scale, axis_name, num_shards, 1, config)
+    _check_early_stop(mask, lay)
     if config.balance is not None:
-        # The traded shards are not contiguous: no early stop.
+        # The traded shards are not the layout's: the ring runs all its steps.
         return _Static(kernel, scale, axis_name, num_shards, num_shards, config)
     num_ahead, num_steps = ring_window(mask, lay)
-    _check_early_stop(mask, lay, num_steps, num_shards)
     return _Static(kernel, scale, axis_name, num_shards, num_steps, config, num_ahead)
 
 

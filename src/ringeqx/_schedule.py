@@ -27,11 +27,11 @@ class Schedule(eqx.Module):
     """What every device does at every ring step, for one layout and mask.
 
     At ring step `s`, device `i` holds its own queries and the keys/values of shard
-    `(i + a - s) mod P`, where `a` is 0 unless a two-sided window lets the ring start `a`
-    shards ahead. The step runs only if the mask's block rule allows the two shards;
-    then the kernel runs a `block_q x block_kv` tile only if the block rule allows the two
-    tiles. A layout with batch axes is summed over them (the ring processes the whole
-    batch of a device together).
+    `(i + a - s) mod P`, where `a` is 0 unless the ring starts `a` shards ahead (a
+    two-sided window; any layout whose needed shards lie ahead). The step runs only if
+    the mask's block rule allows the two shards; then the kernel runs a `block_q x
+    block_kv` tile only if the block rule allows the two tiles. A layout with batch axes
+    is summed over them (the ring processes the whole batch of a device together).
 
     **Fields:**
 
@@ -40,8 +40,10 @@ class Schedule(eqx.Module):
     - `pairs`: `float32[steps, shards]`, unmasked query-key pairs of valid tokens: the
         useful work (float32, exact below 2^24 per entry).
 
-    `steps` is [`ringeqx.num_ring_steps`][] (all `P` unless the mask bounds distances on a
-    contiguous layout).
+    `steps` is [`ringeqx.num_ring_steps`][]: for a concrete layout, only the steps whose
+    shard offsets the block rule allows somewhere (packed short documents, windows,
+    block-sparse tables need few); all `P` for a causal mask or a traced layout without
+    bounded-window masks.
     """
 
     tiles_run: Int[Array, "steps shards"]
@@ -86,7 +88,9 @@ def schedule(
 ) -> Schedule:
     """Count, without running attention, the work of every device at every ring step.
 
-    It follows the ring exactly: the steps of [`ringeqx.num_ring_steps`][], the same
+    It follows the ring exactly: the steps of [`ringeqx.num_ring_steps`][] (the ring
+    sends nothing for the shard offsets that no device needs, and neither step nor its
+    hop appears here), the same
     step skip (the mask's block rule on per-shard summaries) and the kernel's own tiles,
     `block_q x block_kv` (tiles larger than a shard shrink to it).
 
@@ -112,11 +116,16 @@ def schedule(
     """
     if not isinstance(kernel, AbstractAttentionKernel):
         kernel = select_kernel(kernel)
-    return _schedule(layout, mask, kernel.block_q, kernel.block_kv)
+    # The window is read here, outside the jit below, where a concrete layout still has
+    # its values: the ring sees them the same way.
+    ahead, steps = ring_window(mask, layout)
+    return _schedule(layout, mask, kernel.block_q, kernel.block_kv, ahead, steps)
 
 
 @eqx.filter_jit
-def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -> Schedule:
+def _schedule(
+    layout: Layout, mask: AbstractMask, block_q: int, block_kv: int, ahead: int, steps: int
+) -> Schedule:
     num_shards, capacity = layout.num_shards, layout.capacity
     info = layout.token_info()
     # [*batch, shards * capacity] -> [shards, batch, capacity]
@@ -153,7 +162,6 @@ def _schedule(layout: Layout, mask: AbstractMask, block_q: int, block_kv: int) -
     pairs = jax.lax.map(shard_pairs, info)  # [q shard, kv shard]
 
     # Device i starts `ahead` shards ahead and meets shard i + ahead - s at step s.
-    ahead, steps = ring_window(mask, layout)
     dev = jnp.arange(num_shards)[None, :]
     src = (dev + ahead - jnp.arange(steps)[:, None]) % num_shards
     run = tiles[dev, src]
