@@ -583,7 +583,9 @@ def ring_attention(
     Each device keeps its block of queries; the key/value blocks travel round the ring
     (`lax.ppermute` inside `jax.shard_map`), one hop per step, while each device merges
     its partial results by log-sum-exp in float32. Steps whose blocks the mask rules out
-    entirely are skipped. The backward pass (a custom VJP) rings K/V again and sends the
+    entirely are skipped; when the layout and mask hold values at trace time (a layout
+    built outside `jax.jit`), shard offsets that no device needs are not sent at all
+    ([`ringeqx.num_ring_steps`][]). The backward pass (a custom VJP) rings K/V again and sends the
     float32 dK/dV accumulators round with them, back to their owners.
 
     **Arguments:**
