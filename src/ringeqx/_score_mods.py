@@ -118,9 +118,6 @@ class Softcap(AbstractScoreMod):
     def for_head(self, head: Int[Array, ""]) -> "Softcap":
         return self
 
-    def for_heads(self, first: Int[ArrayLike, ""], count: int) -> "Softcap":
-        return self
-
     def check(self, heads: int) -> None:
         pass
 
