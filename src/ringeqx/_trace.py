@@ -9,9 +9,7 @@ import gzip
 import json
 import os
 import re
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +17,7 @@ import equinox as eqx
 import jax
 
 from ._profile import COLLECTIVES
+from ._timing import median_seconds
 
 
 # The op kinds of compute, in the order they are tried on an op's (fused) HLO text.
@@ -355,19 +354,14 @@ def profile_program(
     options.update(compiler_options or {})
     lowered = jax.jit(functools.partial(fn, **kwargs)).lower(*args)
     compiled = lowered.compile(compiler_options=options)
-    jax.block_until_ready(compiled(*args))
-    walls = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        walls.append(time.perf_counter() - start)
+    wall = median_seconds(compiled, *args, repeats=repeats)
     with jax.profiler.trace(trace_dir):
         for _ in range(repeats):
             jax.block_until_ready(compiled(*args))
     path = trace_file(trace_dir)
     hlo = compiled.as_text()
     return ProgramProfile(
-        wall=statistics.median(walls),
+        wall=wall,
         repeats=repeats,
         dump_dir=dump_dir,
         trace_dir=trace_dir,
