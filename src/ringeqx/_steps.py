@@ -166,8 +166,8 @@ def early_stop_error(mask: AbstractMask, layout: Layout) -> Bool[Array, ""]:
     The analytic window assumes honest bounds and full inner shards; a wrong
     `max_distance`/`max_lookahead`, or a contiguous layout with short shards (padding in
     the middle), breaks it, and a traced run of the same mask and layout would then be
-    silently wrong. The block rule on whole shards catches it, at the cost of a few
-    scalars."""
+    silently wrong. The block rule on sub-blocks of the shards (`shard_pairs`) catches
+    it."""
     num_ahead, num_steps = analytic_window(mask, layout)
     p = layout.num_shards
     i = jnp.arange(p)[:, None]
