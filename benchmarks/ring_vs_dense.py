@@ -13,8 +13,9 @@ report:
 - model FLOPs (`4 N^2 H D` for the full forward, half for causal), the forward FLOP rate
   and a same-run 4096 x 4096 float32 matmul rate;
 - the target ratios, each with PASS/MISS, and the floor under the time ratios: the
-  model's matmul FLOPs at the same-run matmul rate over ringattention's time (no exact
-  implementation does fewer FLOPs or runs them faster);
+  model's matmul FLOPs at the same-run matmul rate over ringattention's time (no
+  implementation that recomputes the scores in the backward, as an O(N/P)-memory one must,
+  does fewer FLOPs, and none built on XLA's dots runs them faster);
 - first, the max abs difference between ringeqx and ringattention (and dense) at a small
   size, which shows that ringattention is called correctly.
 
@@ -401,11 +402,12 @@ def _targets_table(rows: dict, temp_2n: float, full_flops: float, mm_rate: float
         f"| ringeqx full fwd+bwd FLOP rate (3.5 x forward FLOPs) / matmul rate | "
         f"{both_rate:.3f} | reported | |"
     )
-    # Reported: the floor. No exact implementation does fewer matmul FLOPs than the
-    # model's (3.5 x the forward's, half of them under the causal mask), and none runs them
-    # faster than the matmul rate: their time at that rate over ringattention's is the
-    # smallest time ratio any implementation could reach on this machine, and the rate a
-    # target needs is that floor over the target.
+    # Reported: the floor. An implementation whose memory is O(N/P) recomputes the scores
+    # in the backward, so it does the model's matmul FLOPs (3.5 x the forward's, half of
+    # them under the causal mask), and none built on XLA's dots runs them faster than the
+    # matmul rate: their time at that rate over ringattention's is the smallest time ratio
+    # such an implementation could reach on this machine, and the share of the matmul rate
+    # a target needs is that floor over the target.
     for mask, goal in (("full", 0.5), ("causal", 0.4)):
         flops = 3.5 * full_flops / (2 if mask == "causal" else 1)
         floor = flops / mm_rate / rows["ringattention", mask]["both"]
