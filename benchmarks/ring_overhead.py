@@ -56,9 +56,11 @@ from ringeqx._tokens import TokenInfo  # noqa: E402
 
 
 def _ring(mesh, kernel):
+    def attend(q, k, v):
+        return rx.ring_attention(q, k, v, mesh=mesh, kernel=kernel)
+
     def run(q, k, v, d_out):
-        fn = lambda q, k, v: rx.ring_attention(q, k, v, mesh=mesh, kernel=kernel)  # noqa: E731
-        out, vjp = jax.vjp(fn, q, k, v)
+        out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(d_out)
 
     return run
