@@ -5,10 +5,10 @@ Run: `PYTHONPATH=src python benchmarks/comm_modes.py` (CPU: compiles only, reads
 float32 because XLA:CPU widens bfloat16 collectives to float32).
 """
 
-import os
+from _devices import fake_cpu_devices
 
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

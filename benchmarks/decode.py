@@ -26,13 +26,12 @@ Run: `python benchmarks/decode.py` (`--help` for options).
 
 import argparse
 import math
-import os
 import time
 
+from _devices import fake_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+
+fake_cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

@@ -24,8 +24,7 @@ import math
 import os
 import sys
 
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from _devices import fake_cpu_devices
 
 
 def _parse(argv):
@@ -50,8 +49,7 @@ def _parse(argv):
 
 
 ARGS = _parse(sys.argv[1:])
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+fake_cpu_devices(8)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

@@ -23,10 +23,10 @@ import random
 import sys
 import time
 
+from _devices import fake_cpu_devices
 
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}=8").strip()
+
+fake_cpu_devices(8)
 # LLVM at -O0 (as the tests): compiles ~1/3 faster; buffer assignment, and so
 # memory_analysis, is decided before code generation and does not change.
 os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"

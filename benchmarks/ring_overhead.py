@@ -25,8 +25,7 @@ import resource
 import sys
 import time
 
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from _devices import fake_cpu_devices
 
 
 def _parse(argv):
@@ -40,10 +39,7 @@ def _parse(argv):
 
 
 ARGS = _parse(sys.argv[1:])
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}={ARGS.devices}"
-    ).strip()
+fake_cpu_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -31,8 +31,7 @@ import argparse
 import os
 import sys
 
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from _devices import fake_cpu_devices
 
 
 def _parse(argv):
@@ -67,10 +66,7 @@ def _parse(argv):
 
 
 ARGS = _parse(sys.argv[1:])
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}={ARGS.devices}"
-    ).strip()
+fake_cpu_devices(ARGS.devices)
 
 import jax  # noqa: E402
 import jax._src.xla_bridge  # noqa: E402

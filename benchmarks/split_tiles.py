@@ -9,11 +9,9 @@ forward+backward, with the per-device temp memory of the compiled forward+backwa
 """
 
 import argparse
-import os
 import sys
 
-
-_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from _devices import fake_cpu_devices
 
 
 def _parse(argv):
@@ -31,10 +29,7 @@ def _parse(argv):
 
 
 ARGS = _parse(sys.argv[1:])
-if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" {_DEVICE_FLAG}={ARGS.devices}"
-    ).strip()
+fake_cpu_devices(ARGS.devices)
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

@@ -11,13 +11,12 @@ Run: `python benchmarks/wire_compression.py` (`--help` for options).
 """
 
 import argparse
-import os
 import time
 
+from _devices import fake_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+
+fake_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
