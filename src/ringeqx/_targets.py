@@ -1,0 +1,248 @@
+"""Meshes of compile-only devices: ask the real TPU or GPU compiler about a cluster from a
+machine that has none of its chips.
+
+libtpu describes any TPU slice by name (`jax.experimental.topologies`), and the CUDA
+plugin builds compile-only GPUs from a `stream_executor.GpuTargetConfigProto`, which is
+written here from the vendors' published figures. A program lowered and compiled on such
+a mesh is compiled exactly as it would be on the cluster (Mosaic and Triton included):
+its `memory_analysis()` is the per-chip memory, its `as_text()` the scheduled program.
+Nothing can run on these devices.
+"""
+
+import functools
+import math
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+
+class GpuFigures(NamedTuple):
+    """A GPU's published figures, as the CUDA compiler needs them."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    clock_ghz: float
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    l2_bytes: int
+    shared_per_sm: int  # bytes
+    shared_per_block_optin: int  # bytes
+    fp32_lanes_per_sm: int
+
+
+_KIB, _MIB, _GB = 1024, 1024**2, 10**9
+
+# NVIDIA's data sheets and CUDA programming guide (compute capability tables):
+# H100 SXM5: 132 SMs, 1.98 GHz boost, 80 GB HBM3 at 3.35 TB/s, 50 MB L2, 228 KB shared
+# memory per SM (227 KB per block opt-in), 128 FP32 lanes per SM.
+# H200 SXM: the H100's die with 141 GB HBM3e at 4.8 TB/s.
+# A100 SXM4 80GB: 108 SMs, 1.41 GHz boost, 2.039 TB/s, 40 MB L2, 164 KB shared per SM
+# (163 KB per block opt-in), 64 FP32 lanes per SM.
+GPUS = {
+    "h100": GpuFigures(
+        "NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 80 * _GB, 3.35e12, 50 * _MIB,
+        228 * _KIB, 227 * _KIB, 128,
+    ),
+    "h200": GpuFigures(
+        "NVIDIA H200", (9, 0), 132, 1.98, 141 * _GB, 4.8e12, 50 * _MIB,
+        228 * _KIB, 227 * _KIB, 128,
+    ),
+    "a100": GpuFigures(
+        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 80 * _GB, 2.039e12, 40 * _MIB,
+        164 * _KIB, 163 * _KIB, 64,
+    ),
+}
+
+# TPU generations libtpu describes by name: `"v5p"` for `v5p:XxYxZ` slices.
+TPUS = ("v4", "v5e", "v5p", "v6e")
+
+
+def gpu_target_config(gpu: str) -> str:
+    """The `GpuTargetConfigProto` text of a GPU in [`ringeqx.GPUS`][] (what XLA's CUDA
+    compiler reads instead of querying a device)."""
+    f = _gpu(gpu)
+    major, minor = f.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: {48 * _KIB}
+  shared_memory_per_core: {f.shared_per_sm}
+  shared_memory_per_block_optin: {f.shared_per_block_optin}
+  threads_per_core_limit: 2048
+  core_count: {f.sm_count}
+  fpus_per_core: {f.fp32_lanes_per_sm}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(f.memory_bandwidth)}
+  l2_cache_size: {f.l2_bytes}
+  clock_rate_ghz: {f.clock_ghz}
+  device_memory_size: {f.memory_bytes}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  name: "{f.name}"
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 1 }}
+device_description_str: "{f.name}"
+"""
+
+
+def _gpu(gpu: str) -> GpuFigures:
+    if gpu not in GPUS:
+        raise ValueError(f"Unknown GPU {gpu!r}; known GPUs: {', '.join(sorted(GPUS))}.")
+    return GPUS[gpu]
+
+
+def _needs(package: str, what: str) -> ImportError:
+    return ImportError(
+        f"{what} needs {package} (pip install '{package}=={jax.__version__}', best in a "
+        "virtual environment of its own); it is not one of ringeqx's dependencies."
+    )
+
+
+@functools.cache
+def _gpu_devices(gpu: str, count: int) -> tuple:
+    from jax._src import xla_bridge
+
+    # The CUDA plugin checks the installed CUDA libraries against a driver when JAX
+    # starts its backends; a machine without a GPU has none, and the plugin then does not
+    # register unless told to skip the check. That is only possible before JAX starts.
+    if not os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"):
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError(
+                "Compile-only GPUs need the CUDA plugin registered without a driver: set "
+                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before JAX starts "
+                "(before the first jax.devices(), jit or array), or call "
+                "ringeqx.target_mesh before anything else uses JAX."
+            )
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        raise _needs("jax[cuda12]", f"target_mesh({gpu!r})") from None
+    # One host holds at most 8 GPUs; more are more hosts of 8.
+    hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
+    if hosts * per_host != count:
+        raise ValueError(
+            f"A GPU mesh of more than 8 devices is whole hosts of 8; got {count} devices."
+        )
+    topology = xla_bridge.make_pjrt_topology(
+        "cuda",
+        f"{gpu}x{count}",
+        target_config=gpu_target_config(gpu),
+        topology=f"1x{hosts}x{per_host}",
+    )
+    return tuple(topology._make_compile_only_devices())
+
+
+@functools.cache
+def _tpu_devices(name: str) -> tuple:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise _needs("jax[tpu]", f"target_mesh({name!r})") from None
+    from jax.experimental import topologies
+
+    return tuple(topologies.get_topology_desc(name, "tpu").devices)
+
+
+def target_devices(target: str, size: int | str | None = None) -> tuple:
+    """The compile-only devices of a named cluster (see [`ringeqx.target_mesh`][])."""
+    if ":" in target:
+        if size is not None:
+            raise ValueError(
+                f"`target` {target!r} names its slice already; pass `size` only with a "
+                f"bare name (e.g. target_mesh('v5p', '2x2x1')); got size={size!r}."
+            )
+        target, size = target.split(":", 1)
+    if target in TPUS:
+        if not isinstance(size, str) or not size:
+            raise ValueError(
+                f"A TPU target needs its slice topology as a string, e.g. "
+                f"target_mesh('{target}', '2x2x1') or '{target}:2x2x1'; got size={size!r}."
+            )
+        return _tpu_devices(f"{target}:{size}")
+    if target in GPUS:
+        count = 8 if size is None else size
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError(
+                f"A GPU target needs a positive device count, e.g. "
+                f"target_mesh('{target}', 8); got size={size!r}."
+            )
+        return _gpu_devices(target, int(count))
+    raise ValueError(
+        f"Unknown target {target!r}; known targets: TPU {', '.join(TPUS)} (with a slice, "
+        f"'v5p:2x2x1') and GPU {', '.join(sorted(GPUS))} (with a count)."
+    )
+
+
+def target_mesh(
+    target: str,
+    size: int | str | None = None,
+    *,
+    mesh_shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] = ("sequence",),
+) -> Mesh:
+    """A mesh of compile-only devices of a TPU slice or a GPU cluster, for asking the
+    real compiler about programs for it from any machine.
+
+    `jax.jit(f).lower(*args).compile()` with arguments sharded on this mesh (for example
+    `jax.ShapeDtypeStruct`s with a `NamedSharding`) runs the whole TPU or GPU compiler,
+    Mosaic and Triton included: the compiled program's `memory_analysis()` gives the bytes
+    per chip, `cost_analysis()` the FLOPs and `as_text()` the scheduled HLO (see
+    [`ringeqx.ring_overlap`][]). `kernel="auto"` in [`ringeqx.ring_attention`][] picks the
+    Pallas kernel of the mesh's platform. The program cannot be run.
+
+    Needs the compiler: `pip install "jax[tpu]==<jax version>"` (libtpu) for TPUs,
+    `pip install "jax[cuda12]==<jax version>"` for GPUs (the CUDA plugin; no driver
+    needed, but it must register before JAX starts, so call this before anything else
+    uses JAX or set `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`).
+
+    **Arguments:**
+
+    - `target`: a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`) with its slice,
+        as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")`; or a GPU (`"h100"`, `"h200"`,
+        `"a100"`; figures in `ringeqx.GPUS`) with a device count (default 8; more than 8
+        are hosts of 8).
+    - `size`: the slice topology (TPU) or device count (GPU), when `target` has none.
+    - `mesh_shape`: the mesh's shape (default: one axis over every device).
+    - `axis_names`: the mesh's axis names, one per axis of `mesh_shape`.
+
+    **Returns:** a `jax.sharding.Mesh` with Auto axes.
+
+    **Example:**
+
+    ```python
+    mesh = ringeqx.target_mesh("v5p", "4x4x4")  # 64 chips
+    spec = jax.ShapeDtypeStruct((1, 2**20, 32, 128), jnp.bfloat16,
+                                sharding=NamedSharding(mesh, P(None, "sequence")))
+    compiled = jax.jit(attn).lower(spec, kv_spec, kv_spec).compile()
+    print(compiled.memory_analysis().temp_size_in_bytes)
+    ```
+    """
+    devices = target_devices(target, size)
+    names = tuple(axis_names)
+    shape = (len(devices),) if mesh_shape is None else tuple(int(s) for s in mesh_shape)
+    if len(shape) != len(names):
+        raise ValueError(
+            f"`mesh_shape` {shape} and `axis_names` {names} must have one name per axis."
+        )
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"`mesh_shape` {shape} holds {math.prod(shape)} devices; target {target!r} "
+            f"has {len(devices)}."
+        )
+    if devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(shape, list(devices))
+    else:
+        grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
