@@ -92,6 +92,32 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/ring_vs_dense.py", *session.posargs)
 
 
+# The compilers of `nox -s aot`, pinned to the JAX release the package is tested with:
+# libtpu and the CUDA plugin are built against one jaxlib.
+_COMPILERS = {
+    "tpu": ["jax[tpu]==0.10.2"],
+    "gpu": ["jax[cuda12]==0.10.2", "nvidia-cuda-nvcc-cu12"],
+}
+
+
+@nox.session
+@nox.parametrize("target", list(_COMPILERS))
+def aot(session: nox.Session, target: str) -> None:
+    """Compile for real TPUs and GPUs on this machine (no accelerator needed).
+
+    One venv per compiler (`aot(target='tpu')` with libtpu, `aot(target='gpu')` with
+    the CUDA plugin and ptxas) runs `aot/test_{target}_*.py`: every kernel and the ring,
+    fwd + grad, compiled for TPU v5e/v5p and H100/A100 meshes of compile-only devices
+    (`ringeqx.target_mesh`), with checks that read what the compilers emit (spills,
+    the scheduled HLO). Posargs go to pytest.
+    """
+    session.install("-e", ".", "pytest", "beartype", *_COMPILERS[target])
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "aot").glob(f"test_{target}_*.py"))
+    if not tests:
+        session.error(f"No aot/test_{target}_*.py files.")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *tests, *session.posargs)
+
+
 @nox.session
 def gpu_check(session: nox.Session) -> None:
     """Run `benchmarks/gpu_check.py` (`nox -s gpu_check -- --tiny` on CPU).
