@@ -24,6 +24,7 @@ from helpers import (
     qkv,
     span_ids,
 )
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxtyping import Array, Bool, Float, Int
 
 import ringeqx as rx
@@ -408,12 +409,73 @@ def test_interpret_selects_pallas_anywhere():
     assert rx.select_kernel(obj) is obj
 
 
+def _abstract_mesh(platform, kind):
+    device = AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
+    return AbstractMesh((8,), ("sequence",), abstract_device=device)
+
+
+@pytest.mark.parametrize(
+    "platform, kind, expected",
+    [
+        ("tpu", "TPU v5", rx.PallasTpuKernel()),
+        ("gpu", "NVIDIA H100 80GB HBM3", rx.PallasGpuKernel()),
+        ("cuda", "NVIDIA A100-SXM4-80GB", rx.PallasGpuKernel()),
+        ("cpu", "cpu", rx.XlaKernel(block_q=256, block_kv=256)),
+    ],
+)
+def test_auto_follows_the_mesh_not_the_default_backend(platform, kind, expected):
+    # The process's backend is the CPU; the mesh's devices decide.
+    assert jax.default_backend() == "cpu"
+    m = _abstract_mesh(platform, kind)
+    assert rx.select_kernel("auto", mesh=m) == expected
+    assert rx.select_kernel("auto", "auto", mesh=m) == expected
+    with use_abstract_mesh(m):  # the mesh set for the program
+        assert rx.select_kernel("auto") == expected
+    if platform != "cpu":
+        name = "gpu" if platform in ("gpu", "cuda") else "tpu"
+        assert rx.select_kernel("auto", name, mesh=m) == expected
+        assert rx.select_kernel(f"pallas_{name}", mesh=m) == expected
+        other = {"gpu": "tpu", "tpu": "gpu"}[name]
+        with pytest.raises(ValueError, match=f"device_type='{other}' but the mesh's "
+                           f"devices are {name} devices"):
+            rx.select_kernel("auto", other, mesh=m)
+        with pytest.raises(ValueError, match=f"kernel='pallas_{other}' needs"):
+            rx.select_kernel(f"pallas_{other}", mesh=m)
+
+
+def test_auto_follows_the_mesh_in_the_ring_and_the_layer():
+    # Traced for a TPU mesh on this CPU machine: the default kernel is Mosaic's.
+    m = _abstract_mesh("tpu", "TPU v5 lite")
+    q = jax.ShapeDtypeStruct((1, 8 * 128, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8 * 128, 1, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=m).astype(jnp.float32).sum()
+
+    with use_abstract_mesh(m):
+        program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+    for part in ("forward", "backward_dq", "backward_dkv"):
+        assert f"ringeqx_tpu_flash_{part}" in program
+    layer = rx.nn.RingAttention(64, 4, 1, head_dim=64, key=jax.random.key(0))
+    assert layer.kernel == "auto"  # resolved per call, from the mesh
+    x = jax.ShapeDtypeStruct((8 * 128, 64), jnp.float32)
+    with use_abstract_mesh(m):
+        program = str(jax.make_jaxpr(lambda x: layer(x, mesh=m))(x))
+    assert "ringeqx_tpu_flash_forward" in program
+    # A name is still checked at construction (under the jaxtyping hook, its Literal
+    # annotation refuses it first).
+    with pytest.raises((TypeError, ValueError), match="kernel"):
+        rx.nn.RingAttention(64, 4, 1, kernel="flash", key=jax.random.key(0))
+
+
 @pytest.mark.parametrize("device_type", ["gpu", "tpu"])
 def test_missing_device_is_an_error(device_type):
     with pytest.raises(ValueError, match=f"device_type='{device_type}' but JAX has no"):
         rx.select_kernel("auto", device_type)
     q, k, v = qkv(jax.random.key(0), (), 8, 2, 2, 64)
-    with pytest.raises(ValueError, match=f"JAX has no {device_type} devices"):
+    with pytest.raises(
+        ValueError, match=f"device_type='{device_type}' but the mesh's devices are cpu"
+    ):
         rx.ring_attention(q, k, v, mesh=mesh(1), device_type=device_type)
 
 
@@ -518,8 +580,10 @@ def test_compiled_pallas_without_its_device_is_an_error():
         _block(rx.PallasGpuKernel(), x, x, x)
     with pytest.raises(ValueError, match=tpu):
         jax.jit(lambda x: _block(rx.PallasTpuKernel(), x, x, x))(x)
+    # Through the ring, the mesh's devices say the platform: refused before tracing.
     q, k, v = qkv(jax.random.key(0), (), 8, 2, 2, 64)
-    with pytest.raises(ValueError, match=gpu):
+    with pytest.raises(ValueError, match="PallasGpuKernel runs on device_type gpu, not on "
+                       "the mesh's cpu devices"):
         rx.ring_attention(q, k, v, mesh=mesh(1), kernel=rx.PallasGpuKernel())
 
 

@@ -610,8 +610,10 @@ def ring_attention(
     - `scale`: logit scale (default `1 / sqrt(head_dim)`).
     - `kernel`: the per-device kernel: `"auto"`, a name (`"xla"`, `"pallas_gpu"`,
         `"pallas_tpu"`) or a kernel object; see [`ringeqx.select_kernel`][].
-    - `device_type`: `"auto"` (JAX's default backend), `"cpu"`, `"gpu"` or `"tpu"`:
-        picks the default kernel and its tiles; a device JAX does not have is an error.
+    - `device_type`: `"auto"` (the platform of the mesh's devices: an H100 or TPU mesh
+        gets its Pallas kernel, also a mesh of compile-only devices from
+        [`ringeqx.target_mesh`][]), `"cpu"`, `"gpu"` or `"tpu"`: picks the default
+        kernel and its tiles; a device type other than the mesh's is an error.
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter (CPU
         tests).
     - `config`: a [`ringeqx.RingConfig`][]: how K/V travel, including the Ulysses x ring
@@ -690,8 +692,8 @@ def ring_attention(
     _check_arguments(q, k, v, score_mod, sinks)
     mask = Full() if mask is None else mask
     config = RingConfig() if config is None else config
-    kernel_obj = select_kernel(kernel, device_type, interpret=interpret)
     mesh = _resolve_mesh(mesh, axis_name)
+    kernel_obj = select_kernel(kernel, device_type, interpret=interpret, mesh=mesh)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     batch = math.prod(q.shape[:-3])
     q3, k3, v3 = (x.reshape((batch,) + x.shape[-3:]) for x in (q, k, v))

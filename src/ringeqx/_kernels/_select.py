@@ -25,24 +25,47 @@ _BLOCKS = {
 }
 
 
-def resolve_device_type(device_type: DeviceType) -> Literal["cpu", "gpu", "tpu"]:
-    """`"auto"` -> the platform of JAX's default backend; other names unchanged."""
+def _device_of_platform(platform: str, origin: str) -> Literal["cpu", "gpu", "tpu"]:
+    match platform:
+        case "cpu":
+            return "cpu"
+        case "gpu" | "cuda" | "rocm":
+            return "gpu"
+        case "tpu":
+            return "tpu"
+        case _:
+            raise ValueError(
+                f"device_type='auto' found {origin} {platform!r}, which ringeqx has no "
+                "kernel for; pass device_type='cpu', 'gpu' or 'tpu' with an explicit "
+                "kernel."
+            )
+
+
+def mesh_device_type(mesh=None) -> Literal["cpu", "gpu", "tpu"] | None:
+    """The device type of `mesh`'s devices (default: the mesh set by `jax.set_mesh`),
+    or None where no mesh is given or set, or an abstract mesh names no platform."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return None
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    device = abstract.abstract_device
+    if device is None or device.platform is None:
+        return None
+    return _device_of_platform(device.platform, "mesh devices of platform")
+
+
+def resolve_device_type(
+    device_type: DeviceType, mesh=None
+) -> Literal["cpu", "gpu", "tpu"]:
+    """`"auto"` -> the device type of the mesh's devices (`mesh`, else the one set by
+    `jax.set_mesh`), else of JAX's default backend; other names unchanged."""
     match device_type:
         case "auto":
-            platform = jax.default_backend()
-            match platform:
-                case "cpu":
-                    return "cpu"
-                case "gpu" | "cuda" | "rocm":
-                    return "gpu"
-                case "tpu":
-                    return "tpu"
-                case _:
-                    raise ValueError(
-                        f"device_type='auto' found JAX backend {platform!r}, which "
-                        "ringeqx has no kernel for; pass device_type='cpu', 'gpu' or "
-                        "'tpu' with an explicit kernel."
-                    )
+            on_mesh = mesh_device_type(mesh)
+            if on_mesh is not None:
+                return on_mesh
+            return _device_of_platform(jax.default_backend(), "JAX backend")
         case "cpu" | "gpu" | "tpu":
             return device_type
         case _:
@@ -59,12 +82,13 @@ def _has_devices(device: str) -> bool:
         return False
 
 
-def _check_object(kernel: AbstractAttentionKernel, device: str) -> None:
+def _check_object(kernel: AbstractAttentionKernel, device: str, on_mesh: bool) -> None:
     runs_on = kernel.devices()
     if device not in runs_on:
+        where = f"the mesh's {device} devices" if on_mesh else f"device_type={device!r}"
         raise ValueError(
             f"{type(kernel).__name__} runs on device_type {' or '.join(sorted(runs_on))}"
-            f", not on device_type={device!r}; pass a kernel that runs there (a Pallas "
+            f", not on {where}; pass a kernel that runs there (a Pallas "
             "kernel with interpret=True runs in the Pallas interpreter anywhere), or "
             "XlaKernel."
         )
@@ -119,6 +143,7 @@ def select_kernel(
     device_type: DeviceType = "auto",
     *,
     interpret: bool = False,
+    mesh=None,
 ) -> AbstractAttentionKernel:
     """The per-device attention kernel for `kernel` on `device_type`.
 
@@ -128,6 +153,12 @@ def select_kernel(
     | `"xla"`        | `XlaKernel` | `XlaKernel`       | `XlaKernel`       |
     | `"pallas_gpu"` | interpret   | `PallasGpuKernel` | interpret         |
     | `"pallas_tpu"` | interpret   | interpret         | `PallasTpuKernel` |
+
+    The device is the mesh's: with `device_type="auto"`, the platform of `mesh`'s devices
+    (or, without `mesh`, of the mesh set by `jax.set_mesh`), so that a program for an
+    H100 or TPU mesh gets that device's Pallas kernel even where this process's default
+    backend is the CPU ([`ringeqx.target_mesh`][] makes compile-only meshes); only
+    without any mesh is it JAX's default backend.
 
     Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
     the CPU, 512 x 1024 for XLA and Mosaic on accelerators, 128 x 64 for Triton, whose
@@ -139,14 +170,16 @@ def select_kernel(
     **Arguments:**
 
     - `kernel`: a name from the table or an [`ringeqx.AbstractAttentionKernel`][]
-        (returned as it is, after checking that `device_type` is one of its
-        `devices()`; with `device_type="auto"`, a Pallas kernel instead checks the
-        platform when the program is lowered, so that it can be exported with
-        `jax.export` for a platform this machine does not have).
-    - `device_type`: `"auto"` (the platform of JAX's default backend), `"cpu"`,
-        `"gpu"` or `"tpu"`.
+        (returned as it is, after checking that the device is one of its `devices()`;
+        with `device_type="auto"` and no mesh that names its platform, a Pallas kernel
+        instead checks the platform when the program is lowered, so that it can be
+        exported with `jax.export` for a platform this machine does not have).
+    - `device_type`: `"auto"` (the platform of the mesh's devices, else of JAX's
+        default backend), `"cpu"`, `"gpu"` or `"tpu"` (which must then be the mesh's).
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter, on any
         backend (for tests on the CPU; slow). Then `device_type` need not be present.
+    - `mesh`: the mesh the kernel will run on (a `jax.sharding.Mesh` or an
+        `AbstractMesh`; default: the one set by `jax.set_mesh`, if any).
 
     **Returns:** an `AbstractAttentionKernel`.
 
@@ -156,18 +189,28 @@ def select_kernel(
     kernel = ringeqx.select_kernel("auto", "gpu", interpret=True)  # PallasGpuKernel
     ```
     """
-    device = resolve_device_type(device_type)
-    if device_type != "auto" and not interpret and not _has_devices(device):
-        raise ValueError(
-            f"device_type={device_type!r} but JAX has no {device} devices (its backend "
-            f"is {jax.default_backend()!r}); use device_type='auto', or pass "
-            "interpret=True to run that device's Pallas kernel in the interpreter."
-        )
+    on_mesh = mesh_device_type(mesh)
+    device = resolve_device_type(device_type, mesh)
+    if device_type != "auto" and not interpret:
+        if on_mesh is not None and on_mesh != device:
+            raise ValueError(
+                f"device_type={device_type!r} but the mesh's devices are {on_mesh} "
+                f"devices; use device_type='auto' (the mesh's) or {on_mesh!r}, or pass "
+                "interpret=True to run that device's Pallas kernel in the interpreter."
+            )
+        if on_mesh is None and not _has_devices(device):
+            raise ValueError(
+                f"device_type={device_type!r} but JAX has no {device} devices (its "
+                f"backend is {jax.default_backend()!r}) and no mesh says otherwise; use "
+                "device_type='auto', pass a mesh of such devices (ringeqx.target_mesh "
+                "makes compile-only ones), or pass interpret=True to run that device's "
+                "Pallas kernel in the interpreter."
+            )
     if isinstance(kernel, AbstractAttentionKernel):
-        # With "auto" the platform is the one the program is lowered for, which may not
-        # be this machine's (`jax.export` for "cuda" or "tpu"): kernels that compile for
-        # one platform check it when they are lowered.
-        if device_type != "auto":
-            _check_object(kernel, device)
+        # Without a mesh that names its platform, the platform is the one the program is
+        # lowered for, which may not be this machine's (`jax.export` for "cuda" or
+        # "tpu"): kernels that compile for one platform check it when they are lowered.
+        if device_type != "auto" or on_mesh is not None:
+            _check_object(kernel, device, on_mesh is not None)
         return kernel
     return _by_name(kernel, device, interpret)

@@ -54,8 +54,11 @@ class RingAttention(eqx.Module):
     - `sinks`: whether each head has a learned attention-sink logit (initialised to 0)
         that joins every row's softmax denominator.
     - `rope_theta`: base of rotary embeddings, or None for none.
-    - `kernel`, `device_type`, `interpret`: the per-device kernel, resolved once here (see
-        [`ringeqx.ring_attention`][]); an unsupported choice raises at construction.
+    - `kernel`, `device_type`, `interpret`: the per-device kernel (see
+        [`ringeqx.select_kernel`][]). A name with `device_type="auto"` (the default
+        `"auto"` included) is kept as a name and resolved at each call from the mesh the
+        layer runs on, so a TPU or GPU mesh gets its Pallas kernel; anything else is
+        resolved here, and an unsupported choice raises at construction.
     - `config`: a [`ringeqx.RingConfig`][].
     - `axis_name`: the ring's mesh axis.
     - `use_bias`: whether the projections have biases.
@@ -69,7 +72,7 @@ class RingAttention(eqx.Module):
     mask: AbstractMask
     score_mod: AbstractScoreMod | None
     sinks: Float[Array, " heads"] | None
-    kernel: AbstractAttentionKernel
+    kernel: AbstractAttentionKernel | KernelName = eqx.field(static=True)
     config: RingConfig
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
@@ -121,7 +124,14 @@ class RingAttention(eqx.Module):
         self.mask = Causal() if mask is None else mask
         self.score_mod = score_mod
         self.sinks = jnp.zeros(num_heads, jnp.float32) if sinks else None
-        self.kernel = select_kernel(kernel, device_type, interpret=interpret)
+        if isinstance(kernel, str) and device_type == "auto" and not interpret:
+            # Chosen per call from the mesh the layer runs on (`select_kernel`): a model
+            # built on a laptop and compiled for a TPU or GPU mesh gets that device's
+            # kernel. Only the name is checked here.
+            select_kernel(kernel, "cpu", interpret=True)
+            self.kernel = kernel
+        else:
+            self.kernel = select_kernel(kernel, device_type, interpret=interpret)
         self.config = RingConfig() if config is None else config
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -268,7 +278,7 @@ class RingAttention(eqx.Module):
             mask=self.mask,
             score_mod=self.score_mod,
             sinks=self.sinks,
-            kernel=self.kernel,
+            kernel=select_kernel(self.kernel, mesh=mesh),
             scale=1.0 / math.sqrt(self.head_dim),
             mesh=mesh,
             axis_name=self.axis_name,
