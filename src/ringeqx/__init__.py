@@ -61,6 +61,7 @@ from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
+from ._targets import target_mesh as target_mesh
 from ._tokens import BlockSummary as BlockSummary, TokenInfo as TokenInfo
 from ._trace import (
     ProgramProfile as ProgramProfile,
