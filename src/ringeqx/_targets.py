@@ -111,6 +111,10 @@ def _needs(package: str, what: str) -> ImportError:
 def _gpu_devices(gpu: str, count: int) -> tuple:
     from jax._src import xla_bridge
 
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        raise _needs("jax[cuda12]", f"target_mesh({gpu!r})") from None
     # The CUDA plugin checks the installed CUDA libraries against a driver when JAX
     # starts its backends; a machine without a GPU has none, and the plugin then does not
     # register unless told to skip the check. That is only possible before JAX starts.
@@ -123,10 +127,6 @@ def _gpu_devices(gpu: str, count: int) -> tuple:
                 "ringeqx.target_mesh before anything else uses JAX."
             )
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    try:
-        import jax_plugins.xla_cuda12  # noqa: F401
-    except ImportError:
-        raise _needs("jax[cuda12]", f"target_mesh({gpu!r})") from None
     # One host holds at most 8 GPUs; more are more hosts of 8.
     hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
     if hosts * per_host != count:

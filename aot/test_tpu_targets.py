@@ -1,0 +1,30 @@
+"""`target_mesh` for TPU slices (libtpu's compile-only topologies)."""
+
+import pytest
+
+import ringeqx as rx
+from ringeqx._kernels._select import mesh_device_type
+
+
+@pytest.mark.parametrize(
+    "target, size, count, kind",
+    [
+        ("v5e", "2x2", 4, "TPU v5 lite"),
+        ("v5p", "2x2x1", 4, "TPU v5"),
+        ("v6e:4x4", None, 16, "TPU v6 lite"),
+        ("v5p:4x4x4", None, 64, "TPU v5"),
+    ],
+)
+def test_tpu_slices(target, size, count, kind):
+    mesh = rx.target_mesh(target, size)
+    assert mesh.shape == {"sequence": count}
+    assert {d.device_kind for d in mesh.devices.flat} == {kind}
+    assert mesh_device_type(mesh) == "tpu"
+    assert isinstance(rx.select_kernel(mesh=mesh), rx.PallasTpuKernel)
+
+
+def test_tpu_mesh_shapes():
+    mesh = rx.target_mesh("v5p:2x2x2", mesh_shape=(2, 4), axis_names=("batch", "sequence"))
+    assert mesh.shape == {"batch": 2, "sequence": 4}
+    with pytest.raises(ValueError, match=r"holds 6 devices; target 'v5p:2x2x2' has 8"):
+        rx.target_mesh("v5p:2x2x2", mesh_shape=(2, 3), axis_names=("batch", "sequence"))

@@ -1,0 +1,42 @@
+"""`target_mesh` without the compilers: the CPU suite's venv has neither libtpu nor the
+CUDA plugin, so asking for a target names the package that brings its compiler, and bad
+names and sizes are clear errors. The meshes themselves are compiled for in `aot/`."""
+
+import pytest
+
+import ringeqx as rx
+from ringeqx._targets import GPUS, gpu_target_config
+
+
+def test_missing_compilers_name_their_package():
+    with pytest.raises(ImportError, match=r"needs jax\[tpu\] \(pip install 'jax\[tpu\]=="):
+        rx.target_mesh("v5p", "2x2x1")
+    with pytest.raises(ImportError, match=r"needs jax\[cuda12\]"):
+        rx.target_mesh("h100", 8)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("v9",), "Unknown target 'v9'; known targets: TPU v4, v5e, v5p, v6e"),
+        (("v5p",), "A TPU target needs its slice topology as a string"),
+        (("v5p", 4), "A TPU target needs its slice topology as a string"),
+        (("v5p:2x2x1", "2x2x1"), "names its slice already"),
+        (("h100", 0), "A GPU target needs a positive device count"),
+        (("h100", True), "A GPU target needs a positive device count"),
+        (("h100", "8"), "A GPU target needs a positive device count"),
+    ],
+)
+def test_bad_targets_are_clear_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        rx.target_mesh(*args)
+
+
+def test_gpu_target_configs_carry_the_published_figures():
+    h100 = gpu_target_config("h100")
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in h100
+    assert "core_count: 132" in h100 and "device_memory_size: 80000000000" in h100
+    assert "cuda_compute_capability { major: 8 minor: 0 }" in gpu_target_config("a100")
+    assert set(GPUS) == {"a100", "h100", "h200"}
+    with pytest.raises(ValueError, match="Unknown GPU 'b200'; known GPUs: a100, h100, h200"):
+        gpu_target_config("b200")
