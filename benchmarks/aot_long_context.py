@@ -61,7 +61,8 @@ def main() -> None:
         f"GiB, total {total / gib:.3f} GiB"
     )
     print(f"all-gather in HLO: {'all-gather' in text}")
-    print(f"Mosaic custom calls: {text.count('custom_call_target=\"tpu_custom_call\"')}")
+    mosaic = text.count('custom_call_target="tpu_custom_call"')
+    print(f"Mosaic custom calls: {mosaic}")
 
 
 if __name__ == "__main__":
