@@ -3,6 +3,7 @@
 import abc
 import functools
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -106,6 +107,29 @@ class AbstractMask(eqx.Module):
         call it once the sequence length is known.
         """
 
+    def tile_local(
+        self, q: BlockSummary, k: BlockSummary, block_q: int, block_kv: int
+    ) -> "TileLocal":
+        """The mask as a Pallas kernel evaluates it inside one tile.
+
+        `q` and `k` summarise the kernel's query and key tiles (`block_q` and
+        `block_kv` tokens each), stacked along broadcastable leading `*tiles` axes.
+        A rule that looks a table up per token pair (`BlockSparse`'s block map) is a
+        gather, which neither Triton nor Mosaic lowers; here, outside the kernel, the
+        mask may instead read the few entries each tile can touch and hand them to the
+        kernel as per-tile scalars, which the kernel reads for the tile it runs (from
+        SMEM on a TPU).
+
+        Not needed for masks without tables: the default is the mask itself, with no
+        per-tile operands, exact everywhere. `And` and `Or` combine their parts'.
+
+        **Returns:** a [`ringeqx.TileLocal`][]: a mask whose `allows` agrees with this
+        mask's on every pair of tokens of one pair of tiles (where `exact` is True),
+        which of its array leaves are per tile, and where it is exact.
+        """
+        del q, k, block_q, block_kv
+        return TileLocal(self, (False,) * len(_arrays(self)), True)
+
     def reads(self) -> frozenset[str]:
         """Which token records the mask reads: a subset of `{"positions", "segments",
         "spans", "valid"}`.
@@ -124,6 +148,31 @@ class AbstractMask(eqx.Module):
 
     def __or__(self, other: "AbstractMask") -> "Or":
         return Or(self, other)
+
+
+class TileLocal(NamedTuple):
+    """What [`ringeqx.AbstractMask.tile_local`][] returns.
+
+    **Fields:**
+
+    - `mask`: the mask a kernel evaluates inside a tile. Its array leaves are either
+        whole arrays (handed to every program) or per-tile operands: `int32` or `bool`
+        arrays of exactly the tiles' broadcast shape `*tiles`, of which a kernel gives
+        each tile its own entry (a scalar).
+    - `per_tile`: one flag per array leaf of `mask` (in `jax.tree.leaves` order of its
+        arrays): True for a per-tile operand.
+    - `exact`: `bool[*tiles]` (or True): where `mask` agrees with the original mask on
+        every pair of tokens of the two tiles. A kernel refuses, at run time, to run a
+        tile where it is False (`eqx.error_if`); it never answers inexactly.
+    """
+
+    mask: "AbstractMask"
+    per_tile: tuple[bool, ...]
+    exact: Bool[ArrayLike, "*tiles"]
+
+
+def _arrays(tree) -> list:
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
 
 
 def block_rule(
@@ -417,6 +466,44 @@ class BlockSparse(AbstractMask):
         count, area = self._rectangle(q, k)
         return nonempty & (count == area)
 
+    def tile_local(
+        self, q: BlockSummary, k: BlockSummary, block_q: int, block_kv: int
+    ) -> "TileLocal":
+        # A run of `block` consecutive positions meets at most `window` map blocks. Each
+        # pair of tiles gets that window of the map, from its first blocks on, packed
+        # into int32 words, which the kernel indexes by shifts: no gather.
+        nq, nk = self.block_mask.shape
+        wq = min(nq, -(-(block_q - 1) // self.block_size) + 1)
+        wk = min(nk, -(-(block_kv - 1) // self.block_size) + 1)
+        shape = _shape(q, k)
+
+        def first(s: BlockSummary, axis: int, window: int):
+            lo, hi = self._block(s.pos_min, axis), self._block(s.pos_max, axis)
+            start = jnp.clip(lo, 0, self.block_mask.shape[axis] - window)
+            # Empty tiles have lo > hi and are exact; others must fit in the window.
+            return jnp.broadcast_to(start, shape), jnp.broadcast_to(hi - start < window, shape)
+
+        q_first, q_fits = first(q, 0, wq)
+        k_first, k_fits = first(k, 1, wk)
+        lead = (1,) * len(shape)
+        rows = q_first[..., None, None] + jnp.arange(wq).reshape(lead + (wq, 1))
+        cols = k_first[..., None, None] + jnp.arange(wk).reshape(lead + (1, wk))
+        bits = self.block_mask[rows, cols].reshape(shape + (wq * wk,))
+        num_words = -(-(wq * wk) // 32)
+        bits = jnp.pad(bits, [(0, 0)] * len(shape) + [(0, 32 * num_words - wq * wk)])
+        bits = bits.reshape(shape + (num_words, 32)).astype(jnp.uint32)
+        shifts = jnp.arange(32, dtype=jnp.uint32).reshape(lead + (1, 32))
+        words = jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
+        words = jax.lax.bitcast_convert_type(words, jnp.int32)
+        local = _BlockWindow(
+            q_first * self.block_size,
+            k_first * self.block_size,
+            tuple(words[..., w] for w in range(num_words)),
+            self.block_size,
+            (wq, wk),
+        )
+        return TileLocal(local, (True,) * (2 + num_words), q_fits & k_fits)
+
     def max_distance(self) -> int | None:
         return None
 
@@ -431,6 +518,60 @@ class BlockSparse(AbstractMask):
                 f"* 2 = {(n, n)} for seq_len={seq_len} and block_size="
                 f"{self.block_size}; got shape {self.block_mask.shape}."
             )
+
+
+class _BlockWindow(AbstractMask):
+    """`BlockSparse` inside one pair of kernel tiles (`BlockSparse.tile_local`): the
+    `window = (rows, cols)` entries of the map from block `q_start // block_size`,
+    `k_start // block_size` on, bit `row * cols + col` of the packed `words`.
+
+    A token's block within the window is counted with compares against the window's
+    block edges (no integer division, which Triton's lowering of floor division
+    rejects), clipped to the window as `BlockSparse` clips positions to its map."""
+
+    q_start: Int[Array, "*tiles"]
+    k_start: Int[Array, "*tiles"]
+    words: tuple[Int[Array, "*tiles"], ...]
+    block_size: int = eqx.field(static=True)
+    window: tuple[int, int] = eqx.field(static=True)
+
+    def _offset(self, positions, start, window: int):
+        count = jnp.zeros(positions.shape, jnp.int32)
+        for a in range(1, window):
+            count = count + (positions >= start + a * self.block_size).astype(jnp.int32)
+        return count
+
+    def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
+        rows, cols = self.window
+        bit = self._offset(q.positions, self.q_start, rows) * cols + self._offset(
+            k.positions, self.k_start, cols
+        )
+        word = jnp.broadcast_to(self.words[0], bit.shape)
+        for w in range(1, len(self.words)):
+            word = jnp.where(bit >= 32 * w, self.words[w], word)
+        shift = jnp.bitwise_and(bit, 31)
+        return jnp.bitwise_and(jax.lax.shift_right_logical(word, shift), 1) != 0
+
+    def may_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
+        return jnp.ones(_shape(q, k), bool)
+
+    def max_distance(self) -> int | None:
+        return None
+
+    def max_lookahead(self) -> int | None:
+        return None
+
+    def check(self, seq_len: int) -> None:
+        pass
+
+
+def _combine_local(
+    cls, left: AbstractMask, right: AbstractMask, q, k, block_q: int, block_kv: int
+) -> TileLocal:
+    a = left.tile_local(q, k, block_q, block_kv)
+    b = right.tile_local(q, k, block_q, block_kv)
+    # The array leaves of `cls(l, r)` are those of `l`, then those of `r`.
+    return TileLocal(cls(a.mask, b.mask), a.per_tile + b.per_tile, a.exact & b.exact)
 
 
 def _min_bound(a: int | None, b: int | None) -> int | None:
@@ -462,6 +603,11 @@ class And(AbstractMask):
     def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.must_attend(q, k) & self.right.must_attend(q, k)
 
+    def tile_local(
+        self, q: BlockSummary, k: BlockSummary, block_q: int, block_kv: int
+    ) -> TileLocal:
+        return _combine_local(And, self.left, self.right, q, k, block_q, block_kv)
+
     def max_distance(self) -> int | None:
         return _min_bound(self.left.max_distance(), self.right.max_distance())
 
@@ -487,6 +633,11 @@ class Or(AbstractMask):
 
     def must_attend(self, q: BlockSummary, k: BlockSummary) -> Bool[Array, "*blocks"]:
         return self.left.must_attend(q, k) | self.right.must_attend(q, k)
+
+    def tile_local(
+        self, q: BlockSummary, k: BlockSummary, block_q: int, block_kv: int
+    ) -> TileLocal:
+        return _combine_local(Or, self.left, self.right, q, k, block_q, block_kv)
 
     def max_distance(self) -> int | None:
         return _max_bound(self.left.max_distance(), self.right.max_distance())

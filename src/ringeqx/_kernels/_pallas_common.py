@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._masks import AbstractMask
+from .._masks import AbstractMask, TileLocal
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
 from . import _pallas_tiles as tiles
@@ -69,9 +69,16 @@ class Operands(NamedTuple):
 
 
 def operands(
-    mask: AbstractMask, score_mod: AbstractScoreMod | None, heads: int, scale: float
+    table: Array,
+    local: TileLocal,
+    score_mod: AbstractScoreMod | None,
+    heads: int,
+    scale: float,
 ) -> Operands:
-    mask_leaves, rebuild_mask = tiles.mask_operands(mask)
+    """The operands of a call whose `(table, local)` come from `tile_table`: in the
+    kernels, `rebuild_mask(mask_refs, table_ref, tile)` gives the mask for a pair of
+    tiles and `rebuild_mask.runs(table_ref, tile)` whether it runs."""
+    mask_leaves, rebuild_mask = tiles.mask_operands(local, table.shape[-1])
     mod_leaves, rebuild_mod = tiles.head_operands(score_mod, heads)
     kernel_args = dict(
         rebuild_mask=rebuild_mask,
@@ -84,9 +91,11 @@ def operands(
 
 def tile_table(
     t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo
-) -> Array:
-    """`tiles.tile_table` for the tiles of `t`: which (query tile, key tile) pairs run."""
-    return tiles.tile_table(
+) -> tuple[Array, TileLocal]:
+    """`tiles.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,
+    stride]` (which pairs run, and their per-tile mask operands) and the tile-local
+    mask."""
+    return tiles.tile_mask(
         mask, q_info, kv_info, t.q_padded, t.block_q, t.kv_padded, t.block_kv
     )
 

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Int
 
-from .._masks import AbstractMask, block_rule
+from .._masks import AbstractMask, TileLocal, block_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._tiling import (
@@ -153,24 +153,50 @@ def _kernel_leaves(tree: Any) -> tuple[list[Array], Callable[[Sequence[Array]], 
     return leaves, rebuild
 
 
-def mask_operands(
-    mask: AbstractMask,
-) -> tuple[list[Array], Callable[[Sequence[Any]], AbstractMask]]:
-    """The array leaves of a mask (a prefix length, a block map) as whole-array kernel
-    inputs, at least 1-D (Triton and Mosaic load no 0-d refs): a kernel body may not close
-    over traced arrays.
+class MaskReader:
+    """How a kernel body gets back the tile-local mask (`AbstractMask.tile_local`):
+    its whole-array leaves from their refs, its per-tile operands from the tile table.
 
-    **Returns:** `(leaves, rebuild)`: the kernel inputs, and a function of their refs
-    (inside the kernel) that gives back the mask.
+    The table (`tile_mask`) holds `stride` int32 entries per pair of tiles: whether the
+    pair runs, then the pair's per-tile operands. A kernel passes the ref of the table
+    (or of its row) and the pair's index in it."""
+
+    def __init__(self, local: TileLocal, stride: int):
+        values, self._rebuild = _kernel_leaves(local.mask)
+        self._shapes = [x.shape for x in values]
+        self._per_tile = local.per_tile
+        self.stride = stride
+        # Whole leaves, at least 1-D (Triton and Mosaic load no 0-d refs).
+        self.leaves = [
+            jnp.atleast_1d(x) for x, tile in zip(values, local.per_tile) if not tile
+        ]
+
+    def runs(self, table_ref: Any, tile: Any) -> Array:
+        """Whether the pair of tiles `tile` runs."""
+        return table_ref[tile * self.stride] != 0
+
+    def __call__(self, refs: Sequence[Any], table_ref: Any, tile: Any) -> AbstractMask:
+        """The mask for the pair of tiles `tile`, from the whole leaves' `refs`."""
+        whole, n, loaded = iter(refs), 0, []
+        for shape, per_tile in zip(self._shapes, self._per_tile):
+            if per_tile:
+                n += 1
+                loaded.append(table_ref[tile * self.stride + n])
+            else:
+                loaded.append(next(whole)[...].reshape(shape))
+        return self._rebuild(loaded)
+
+
+def mask_operands(local: TileLocal, stride: int) -> tuple[list[Array], MaskReader]:
+    """The whole-array leaves of a tile-local mask (a prefix length) as whole-array
+    kernel inputs: a kernel body may not close over traced arrays. Its per-tile
+    operands travel in the tile table (`tile_mask`).
+
+    **Returns:** `(leaves, rebuild)`: the kernel inputs, and the `MaskReader` that
+    gives back the mask inside the kernel.
     """
-    values, rebuild = _kernel_leaves(mask)
-    shapes = [x.shape for x in values]
-    leaves = [jnp.atleast_1d(x) for x in values]
-
-    def from_refs(refs: Sequence[Any]) -> AbstractMask:
-        return rebuild([r[...].reshape(s) for r, s in zip(refs, shapes)])
-
-    return leaves, from_refs
+    reader = MaskReader(local, stride)
+    return reader.leaves, reader
 
 
 def head_operands(
@@ -239,14 +265,69 @@ def tile_table(
     rule may use anything XLA can run (`BlockSparse` sums its block map with `cumsum`),
     and the kernels only read one integer per tile.
     """
+    qs, ks = _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    return block_rule(mask, qs, ks).astype(jnp.int32)
+
+
+def tile_mask(
+    mask: AbstractMask,
+    q_info: TokenInfo,
+    kv_info: TokenInfo,
+    q_len: int,
+    block_q: int,
+    kv_len: int,
+    block_kv: int,
+) -> tuple[Int[Array, "batch q_tiles kv_tiles stride"], TileLocal]:
+    """The tile table and the tile-local mask of a kernel call.
+
+    `table[b, i, j]` holds `stride` (a power of two) int32 entries: `tile_table`'s
+    run flag, then the per-tile operands of `mask.tile_local` for query tile `i` and
+    key tile `j`. Both come from the tiles' summaries of the actual records, so they
+    hold for any layout; where the tile-local form is not exact on a tile that runs
+    (positions too far apart in one tile for the window a mask hands the kernel), the
+    table is an error at run time (`eqx.error_if`) rather than a wrong answer.
+    """
+    qs, ks = _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    run = block_rule(mask, qs, ks)
+    local = mask.tile_local(qs, ks, block_q, block_kv)
+    values, _ = _kernel_leaves(local.mask)
+    shape = run.shape
+    per_tile = [x for x, tile in zip(values, local.per_tile) if tile]
+    for x in per_tile:
+        if x.shape != shape:
+            raise ValueError(
+                f"{type(mask).__name__}.tile_local must give per-tile operands of the "
+                f"tiles' shape {shape}; got shape {x.shape}."
+            )
+    entries = [run.astype(jnp.int32), *per_tile]
+    stride = 1 << (len(entries) - 1).bit_length()
+    entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
+    table = jnp.stack(entries, axis=-1)
+    if local.exact is not True:
+        inexact = jnp.any(run & ~jnp.asarray(local.exact))
+        table = eqx.error_if(
+            table,
+            inexact,
+            f"{type(mask).__name__} cannot run exactly in a Pallas kernel with "
+            f"{block_q}x{block_kv} tiles here: a query or key tile holds positions "
+            "further apart than the part of the mask the kernel gets per tile (a "
+            "BlockSparse map: the blocks a run of consecutive positions meets). The "
+            "layout places far-apart positions in one tile (Striped does); use a "
+            "contiguous layout (Uniform, Zigzag), a larger block_size, or XlaKernel.",
+        )
+    return table, local
+
+
+def _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv):
+    """Summaries of every query tile `[batch, q_tiles, 1]` and key tile
+    `[batch, 1, kv_tiles]`."""
 
     def summaries(info, length, block):
         return BlockSummary.of(tile_info(info, length // block, block, axis=1), axis=2)
 
     qs = jax.tree.map(lambda x: x[:, :, None], summaries(q_info, q_len, block_q))
     ks = jax.tree.map(lambda x: x[:, None, :], summaries(kv_info, kv_len, block_kv))
-    run = block_rule(mask, qs, ks)
-    return run.astype(jnp.int32)
+    return qs, ks
 
 
 def resident_blocks(run: Int[Array, "*rows steps"]) -> Int[Array, "*rows steps"]:
@@ -285,13 +366,24 @@ def check_lowerable(
     """Trace-time check that the mask's elementwise rule and the modifier, as a kernel
     evaluates them on a tile, use no primitive that `compiler` cannot lower.
 
-    A `BlockSparse` mask looks its block map up per token pair (a `gather`); a
-    user's mask may do the same. Tracing the rule once on a small tile finds that here,
-    with a message that names the feature, instead of deep inside the lowering.
+    The rule traced is the mask's tile-local form (`AbstractMask.tile_local`), as a
+    kernel gets it: a mask that looks a table up per token pair (a `gather`) lowers
+    only if its `tile_local` hands the kernel per-tile entries instead, as
+    `BlockSparse` does. Tracing the rule once on a small tile finds that here, with a
+    message that names the feature, instead of deep inside the lowering.
     """
     qi = token_info([jnp.zeros((8, 1), jnp.int32)] * 4)
     ki = token_info([jnp.zeros((1, 128), jnp.int32)] * 4)
-    parts = [("mask", type(mask).__name__, lambda: allowed(mask, qi, ki))]
+    one_tile = BlockSummary(*[jnp.zeros((), jnp.int32)] * 6, jnp.ones((), bool))
+    # Abstract leaves: the tile-local form's own table lookups run outside kernels.
+    local = eqx.filter_eval_shape(lambda m: m.tile_local(one_tile, one_tile, 8, 128).mask, mask)
+    abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    leaves, rest = eqx.partition(local, abstract)
+
+    def mask_rule(leaves):
+        return allowed(eqx.combine(leaves, rest), qi, ki)
+
+    parts = [("mask", type(mask).__name__, lambda: jax.make_jaxpr(mask_rule)(leaves))]
     if score_mod is not None:
         one = jax.vmap(score_mod.for_head)(jnp.arange(1, dtype=jnp.int32))
         one = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, one)
@@ -300,18 +392,19 @@ def check_lowerable(
             (
                 "score_mod",
                 type(score_mod).__name__,
-                lambda: logits(q, k, qi, ki, one, 1.0)[0],
+                lambda: jax.make_jaxpr(lambda: logits(q, k, qi, ki, one, 1.0)[0])(),
             )
         )
     for what, name, fn in parts:
-        used = _primitives(jax.make_jaxpr(fn)().jaxpr)
+        used = _primitives(fn().jaxpr)
         bad = sorted(used.intersection(_UNLOWERABLE))
         if bad:
             raise ValueError(
                 f"{kernel_name}(interpret=False) cannot run {what} {name} on a "
                 f"{device}: evaluated on a tile it uses {', '.join(bad)}, which "
-                f"{compiler} cannot lower (a table looked up per token pair, as "
-                "BlockSparse's block map is, is a gather). Use XlaKernel "
+                f"{compiler} cannot lower (a table looked up per token pair is a "
+                "gather: give the mask a `tile_local` that hands the kernel the "
+                "entries each tile needs, as BlockSparse does). Use XlaKernel "
                 f"(kernel='xla'), which runs {name} on every device, or interpret=True."
             )
 
