@@ -50,9 +50,11 @@ def _k_info(ref, cols=slice(None)) -> TokenInfo:
 
 
 def _run_table(run: Array) -> Array:
-    """The skip table `[batch, rows, steps]` padded along steps to a power of two
-    (Triton's block shapes), the padding not run."""
-    return tiles.pad_axis(run, 2, _pow2(run.shape[2]))
+    """The tile table `[batch, rows, steps, stride]` (`tiles.tile_mask`) padded along
+    steps to a power of two (Triton's block shapes), the padding not run, and flattened
+    to `[batch, rows, steps * stride]` (a row per program)."""
+    run = tiles.pad_axis(run, 2, _pow2(run.shape[2]))
+    return run.reshape(run.shape[:2] + (-1,))
 
 
 def _forward_kernel(
@@ -72,7 +74,7 @@ def _forward_kernel(
 ):
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
     o_ref, lse_ref = refs[-2:]
-    mask, score_mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
+    score_mod = rebuild_mod(mod_refs)
     q = q_ref[...]
     qi = _q_info(q_rec_ref)
 
@@ -81,11 +83,12 @@ def _forward_kernel(
         ki = _k_info(k_rec_ref, kv)
 
         def update(acc):
+            mask = rebuild_mask(mask_refs, run_ref, j)
             s, _ = tiles.logits(q, k_ref[kv, :], qi, ki, score_mod, scale)
             s, v = tiles.nan_columns(s, v_ref[kv, :])
             return acc.update(s, tiles.allowed(mask, qi, ki), v)
 
-        return jax.lax.cond(run_ref[j] != 0, update, lambda acc: acc, acc)
+        return jax.lax.cond(rebuild_mask.runs(run_ref, j), update, lambda acc: acc, acc)
 
     init = tiles.Softmax.init(q.shape[0], q.shape[1])
     out, lse = jax.lax.fori_loop(0, num_kv, body, init).finish()
@@ -112,7 +115,7 @@ def _dq_kernel(
     num_kv: int,
 ):
     mask_refs, mod_refs, dq_ref = refs[:num_mask], refs[num_mask:-1], refs[-1]
-    mask, score_mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
+    score_mod = rebuild_mod(mod_refs)
     q, d_out = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     qi = _q_info(q_rec_ref)
@@ -122,13 +125,14 @@ def _dq_kernel(
         ki = _k_info(k_rec_ref, kv)
 
         def grads(dq):
+            mask = rebuild_mask(mask_refs, run_ref, j)
             k = k_ref[kv, :]
             _, ds, k_finite = tiles.tile_grads(
                 q, k, v_ref[kv, :], d_out, lse, delta, qi, ki, mask, score_mod, scale
             )
             return dq + tiles.matmul(ds.astype(k.dtype), k_finite)
 
-        return jax.lax.cond(run_ref[j] != 0, grads, lambda dq: dq, dq)
+        return jax.lax.cond(rebuild_mask.runs(run_ref, j), grads, lambda dq: dq, dq)
 
     dq_ref[...] = jax.lax.fori_loop(0, num_kv, body, jnp.zeros(q.shape, jnp.float32))
 
@@ -154,7 +158,6 @@ def _dkv_kernel(
 ):
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
     dk_ref, dv_ref = refs[-2:]
-    mask = rebuild_mask(mask_refs)
     k, v = k_ref[...], v_ref[...]
     ki = _k_info(k_rec_ref)
 
@@ -170,6 +173,7 @@ def _dkv_kernel(
             dk, dv = carry
             # The refs hold the modifier rows of this kv head's `groups` query heads.
             mod = rebuild_mod(mod_refs, g)
+            mask = rebuild_mask(mask_refs, run_ref, i)
             q, d_out = q_ref[g, qb, :], do_ref[g, qb, :]
             lse, delta = lse_ref[g, qb][:, None], delta_ref[g, qb][:, None]
             p, ds, _ = tiles.tile_grads(
@@ -179,7 +183,7 @@ def _dkv_kernel(
             dk = dk + tiles.matmul_tn(ds.astype(q.dtype), q)
             return dk, dv
 
-        return jax.lax.cond(run_ref[i] != 0, grads, lambda c: c, carry)
+        return jax.lax.cond(rebuild_mask.runs(run_ref, i), grads, lambda c: c, carry)
 
     zero = jnp.zeros(k.shape, jnp.float32)
     dk, dv = jax.lax.fori_loop(0, groups * num_q, body, (zero, zero))
@@ -334,9 +338,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
     the kernels). Per-head modifier parameters (ALiBi slopes) reach each program through
     its block spec.
 
-    Masks whose elementwise rule looks a table up per token pair (`BlockSparse`) do not
-    lower to Triton (a `gather`): `interpret=False` refuses them when traced; use
-    `XlaKernel` for them. On a machine without a GPU the kernel still traces, so a
+    `BlockSparse` (alone or combined) runs from per-tile windows of its map, read from
+    each program's row of the tile table (`AbstractMask.tile_local`); a layout that
+    puts positions too far apart in one tile for that window is a run-time error,
+    never a wrong answer. Other masks that look a table up per token pair (a `gather`)
+    are refused when traced. On a machine without a GPU the kernel still traces, so a
     program can be exported for `"cuda"` with `jax.export`; lowering it for any other
     platform is an error that names the platform.
 
@@ -431,8 +437,9 @@ class PallasGpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
             t = self._tiling(q, k)
-            ops = common.operands(mask, score_mod, t.heads, scale)
-            run = _run_table(common.tile_table(t, mask, q_info, kv_info))
+            table, local = common.tile_table(t, mask, q_info, kv_info)
+            ops = common.operands(table, local, score_mod, t.heads, scale)
+            run = _run_table(table)
             inputs = (
                 *common.pad_qkv(t, q, k, v),
                 tiles.records(q_info, t.q_padded),
@@ -464,8 +471,8 @@ class PallasGpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
             t = self._tiling(q, k)
-            ops = common.operands(mask, score_mod, t.heads, scale)
-            run = common.tile_table(t, mask, q_info, kv_info)
+            run, local = common.tile_table(t, mask, q_info, kv_info)
+            ops = common.operands(run, local, score_mod, t.heads, scale)
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             q_rec = tiles.records(q_info, t.q_padded)

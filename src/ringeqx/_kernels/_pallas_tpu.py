@@ -51,10 +51,13 @@ def q_index_map(groups: int, num_q: int, num_kv: int):
     return index_map
 
 
-def tile_plan(run: Int[Array, "batch rows steps"]) -> tuple[Array, Array]:
-    """`(run, fetch)` flattened to int32 for SMEM (scalar prefetch): whether each grid
-    step computes, and which block it fetches along the sequential axis."""
-    return run.reshape(-1), tiles.resident_blocks(run).reshape(-1)
+def tile_plan(table: Int[Array, "batch rows steps *stride"]) -> tuple[Array, Array]:
+    """`(table, fetch)` flattened to int32 for SMEM (scalar prefetch): whether each grid
+    step computes and its per-tile mask operands (`tiles.tile_mask`; a table without a
+    `stride` axis holds the run flags only), and which block it fetches along the
+    sequential axis."""
+    table = table.reshape(table.shape[:3] + (-1,))
+    return table.reshape(-1), tiles.resident_blocks(table[..., 0]).reshape(-1)
 
 
 def _q_records(info: TokenInfo, length: int) -> Array:
@@ -103,7 +106,8 @@ def _forward_kernel(
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-5]
     o_ref, lse_ref, m_ref, total_ref, acc_ref = refs[-5:]
     b, h, i, j = (pl.program_id(a) for a in range(4))
-    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
+    tile = (b * num_q + i) * num_kv + j
+    mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
 
     @pl.when(j == 0)
     def _init():
@@ -111,7 +115,7 @@ def _forward_kernel(
         total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(run_ref[(b * num_q + i) * num_kv + j] != 0)
+    @pl.when(rebuild_mask.runs(run_ref, tile))
     def _update():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
@@ -151,13 +155,14 @@ def _dq_kernel(
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
     dq_ref, dq_acc = refs[-2:]
     b, h, i, j = (pl.program_id(a) for a in range(4))
-    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
+    tile = (b * num_q + i) * num_kv + j
+    mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
 
     @pl.when(j == 0)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    @pl.when(run_ref[(b * num_q + i) * num_kv + j] != 0)
+    @pl.when(rebuild_mask.runs(run_ref, tile))
     def _grads():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         k = k_ref[...]
@@ -205,7 +210,8 @@ def _dkv_kernel(
     dk_ref, dv_ref, dk_acc, dv_acc = refs[-4:]
     b, t, i = pl.program_id(0), pl.program_id(2), pl.program_id(4)
     g = pl.program_id(3)
-    mask, mod = rebuild_mask(mask_refs), rebuild_mod(mod_refs)
+    tile = (b * num_kv + t) * num_q + i
+    mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
     first = (g == 0) & (i == 0)
     last = (g == groups - 1) & (i == num_q - 1)
 
@@ -214,7 +220,7 @@ def _dkv_kernel(
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(run_ref[(b * num_kv + t) * num_q + i] != 0)
+    @pl.when(rebuild_mask.runs(run_ref, tile))
     def _grads():
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         q, d_out = q_ref[...], do_ref[...]
@@ -441,10 +447,12 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
-    `interpret=True`. Sequences are padded to whole tiles, the padding masked. Masks
-    whose elementwise rule looks a table up per token pair (`BlockSparse`) do not lower
-    to Mosaic (a `gather`): `interpret=False` refuses them when traced; use `XlaKernel`
-    for them. On a machine without a TPU the kernel still traces, so a program can be
+    `interpret=True`. Sequences are padded to whole tiles, the padding masked.
+    `BlockSparse` (alone or combined) runs from per-tile windows of its map, prefetched
+    into SMEM with the tile table (`AbstractMask.tile_local`); a layout that puts
+    positions too far apart in one tile for that window is a run-time error, never a
+    wrong answer. Other masks that look a table up per token pair (a `gather`) are
+    refused when traced. On a machine without a TPU the kernel still traces, so a program can be
     exported for `"tpu"` with `jax.export`; lowering it for any other platform is an
     error that names the platform.
 
@@ -512,8 +520,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
             t = self._tiling(q, k)
-            ops = common.operands(mask, score_mod, t.heads, scale)
-            plan = tile_plan(common.tile_table(t, mask, q_info, kv_info))
+            table, local = common.tile_table(t, mask, q_info, kv_info)
+            ops = common.operands(table, local, score_mod, t.heads, scale)
+            plan = tile_plan(table)
             inputs = (
                 *common.pad_qkv(t, q, k, v),
                 _q_records(q_info, t.q_padded),
@@ -543,8 +552,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
             t = self._tiling(q, k)
-            ops = common.operands(mask, score_mod, t.heads, scale)
-            run = common.tile_table(t, mask, q_info, kv_info)
+            run, local = common.tile_table(t, mask, q_info, kv_info)
+            ops = common.operands(run, local, score_mod, t.heads, scale)
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
