@@ -2,9 +2,12 @@
 a call, the mask and modifier as kernel operands, padding the inputs to whole tiles and
 trimming the outputs back. The tile maths inside the kernels is in `_pallas_tiles.py`."""
 
-from typing import Any, NamedTuple
+import math
+from typing import Any, Literal, NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jaxtyping import Array
 
 from .._masks import AbstractMask, TileLocal
@@ -127,3 +130,29 @@ def trim_grads(
 ) -> tuple[Array, Array, Array]:
     """The gradients without the padding rows."""
     return dq[:, :, : t.q_len], dk[:, :, : t.kv_len], dv[:, :, : t.kv_len]
+
+
+# Matmuls of one (query, key) pair of rows per kernel: the forward's QK^T and PV; dQ
+# recomputes QK^T and takes dO V^T and dS K; dK/dV recomputes QK^T and dO V^T and takes
+# P^T dO and dS^T Q (so a backward step is 7 matmuls, 14 * pairs * d FLOPs).
+_MATMULS = {"forward": 2, "dq": 3, "dkv": 4}
+
+
+def cost_estimate(
+    t: Tiling, kind: Literal["forward", "dq", "dkv"], arrays: Any
+) -> pl.CostEstimate:
+    """What one call of a kernel costs, for XLA's scheduler (without it a custom call
+    is free, and the scheduler has nothing to hide a ring hop behind): the matmul FLOPs
+    of every (query, key) pair of the padded call, one `exp` per pair, and the bytes of
+    its array inputs `arrays` (anything with `.shape` and `.dtype`), each read once
+    (outputs and re-reads of K/V tiles are left out). Tiles the mask skips are counted: the estimate is the dense work,
+    an upper bound that a static number cannot improve on (which tiles run is data)."""
+    pairs = t.batch * t.heads * t.q_padded * t.kv_padded
+    nbytes = sum(
+        math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(arrays)
+    )
+    return pl.CostEstimate(
+        flops=2 * _MATMULS[kind] * pairs * t.head_dim,
+        transcendentals=pairs,
+        bytes_accessed=int(nbytes),
+    )

@@ -269,6 +269,7 @@ def _forward_call(
         compiler_params=params,
         interpret=interpret,
         name="ringeqx_gpu_flash_forward",
+        cost_estimate=common.cost_estimate(t, "forward", inputs),
     )(*inputs, *ops.leaves)
 
 
@@ -292,6 +293,7 @@ def _dq_call(
         compiler_params=params,
         interpret=interpret,
         name="ringeqx_gpu_flash_backward_dq",
+        cost_estimate=common.cost_estimate(t, "dq", inputs),
     )(*inputs, *ops.leaves)
 
 
@@ -321,6 +323,7 @@ def _dkv_call(
         compiler_params=params,
         interpret=interpret,
         name="ringeqx_gpu_flash_backward_dkv",
+        cost_estimate=common.cost_estimate(t, "dkv", inputs),
     )(*inputs, *ops.leaves)
 
 

@@ -320,7 +320,8 @@ def _in_specs(
 
 
 def _mosaic_call(
-    kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name
+    kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name,
+    cost=None,
 ):
     """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
     the last `sequential` grid axes accumulate into scratch ("arbitrary")."""
@@ -338,6 +339,7 @@ def _mosaic_call(
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name=name,
+        cost_estimate=cost,
     )
 
 
@@ -371,6 +373,7 @@ def _forward_call(
         sequential=1,
         interpret=interpret,
         name="ringeqx_tpu_flash_forward",
+        cost=common.cost_estimate(t, "forward", inputs),
     )(*plan, *inputs, *ops.leaves)
 
 
@@ -393,6 +396,7 @@ def _dq_call(
         sequential=1,
         interpret=interpret,
         name="ringeqx_tpu_flash_backward_dq",
+        cost=common.cost_estimate(t, "dq", inputs),
     )(*plan, *inputs, *ops.leaves)
 
 
@@ -421,6 +425,7 @@ def _dkv_call(
         sequential=2,
         interpret=interpret,
         name="ringeqx_tpu_flash_backward_dkv",
+        cost=common.cost_estimate(t, "dkv", inputs),
     )(*plan, *inputs, *ops.leaves)
 
 
