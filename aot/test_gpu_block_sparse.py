@@ -13,12 +13,8 @@ import ringeqx as rx
 SEQ, BLOCK = 4 * 1024, 256
 
 
-# Open: Triton's lowering fails on a `closed_call` of `jnp.where(bool[1, 512], int32
-# scalar, int32[1, 512])` (KeyError) that Causal alone does not produce; found at the
-# deadline, not yet traced to its source. Strict, so a fix shows up.
-@pytest.mark.xfail(strict=True, reason="Triton lowering KeyError: closed_call")
 @pytest.mark.parametrize("which", ["alone", "and_causal", "or_prefix"])
-def test_block_sparse_compiles_with_triton(which):
+def test_block_sparse_gpu_compile_stops_at_the_exactness_callback(which):
     mesh = rx.target_mesh("h100", 8)
     sparse = rx.BlockSparse(block_pattern(SEQ, BLOCK), BLOCK)
     mask = {
@@ -34,8 +30,10 @@ def test_block_sparse_compiles_with_triton(which):
 
     spec = NamedSharding(mesh, P(None, "sequence"))
     args = [jax.ShapeDtypeStruct((1, SEQ, 4, 64), jnp.bfloat16, sharding=spec)] * 3
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-    text = compiled.as_text()
-    assert "__gpu$xla.gpu.triton" in text
-    for part in ("forward", "backward_dq", "backward_dkv"):
-        assert f"ringeqx_gpu_flash_{part}" in text
+    # Open (measured): BlockSparse's exactness check on the tile table is `eqx.error_if`,
+    # a host callback, and a compile-only GPU has no backend to lower a callback for
+    # (on a real GPU it lowers). Until that check is made without a callback, this is
+    # where the GPU compile stops; the Triton kernels themselves lower for it in
+    # tests/test_lowering.py. Asserted precisely, so a change shows.
+    with pytest.raises(Exception, match="Unknown backend: 'gpu' requested"):
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()

