@@ -1,3 +1,4 @@
+# ruff: noqa: E501 (scheduled HLO lines are long)
 """`ring_overlap` on hand-written scheduled HLO: the parser is tested here without the
 compilers (aot/test_tpu_overlap.py reads what libtpu really emits)."""
 

@@ -30,6 +30,7 @@ from ._masks import (
     PrefixLM as PrefixLM,
     SlidingWindow as SlidingWindow,
 )
+from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
 from ._plan import Plan as Plan, plan as plan
 from ._plan_check import measure_memory as measure_memory
 from ._plan_model import MemoryBreakdown as MemoryBreakdown
@@ -62,7 +63,6 @@ from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
 from ._targets import target_mesh as target_mesh
-from ._overlap import ring_overlap as ring_overlap, OverlapReport as OverlapReport
 from ._tokens import BlockSummary as BlockSummary, TokenInfo as TokenInfo
 from ._trace import (
     ProgramProfile as ProgramProfile,
