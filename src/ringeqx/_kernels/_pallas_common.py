@@ -146,7 +146,8 @@ def cost_estimate(
     of every (query, key) pair of the padded call, one `exp` per pair, and the bytes of
     its array inputs `arrays` (anything with `.shape` and `.dtype`), each read once
     (outputs and re-reads of K/V tiles are left out). Tiles the mask skips are counted:
-    the estimate is the dense work, an upper bound that a static number cannot improve on (which tiles run is data)."""
+    the estimate is the dense work, an upper bound that a static number cannot improve
+    on (which tiles run is data)."""
     pairs = t.batch * t.heads * t.q_padded * t.kv_padded
     nbytes = sum(
         math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(arrays)
