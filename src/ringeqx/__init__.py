@@ -29,6 +29,7 @@ from ._masks import (
     Or as Or,
     PrefixLM as PrefixLM,
     SlidingWindow as SlidingWindow,
+    TileLocal as TileLocal,
 )
 from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
 from ._plan import Plan as Plan, plan as plan
