@@ -6,9 +6,7 @@ backward body (K/V with the float32 dK/dV) it does not yet. This file asserts th
 property and that the backward's permute is found; making the backward's overlap is open.
 """
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from ring_programs import lowered_ring_grad
 
 import ringeqx as rx
 
@@ -17,13 +15,10 @@ def test_forward_hop_encloses_its_kernel_on_h100():
     mesh = rx.target_mesh("h100", 8)
     seq = 8 * 4096
 
-    def loss(q, k, v):
-        return rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=mesh).astype(jnp.float32).sum()
-
-    spec = NamedSharding(mesh, P(None, "sequence"))
-    q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.bfloat16, sharding=spec)
-    kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16, sharding=spec)
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    lowered = lowered_ring_grad(
+        mesh, rx.Causal(), seq=seq, heads=8, kv_heads=2, head_dim=64
+    )
+    compiled = lowered.compile()
     report = rx.ring_overlap(compiled)
     print(report)
     forward = [p for p in report.permutes if p.direction == "forward"]

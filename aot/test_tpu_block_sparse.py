@@ -1,11 +1,8 @@
 """BlockSparse on PallasTpuKernel compiles for a real TPU slice (libtpu, compile-only):
 alone, `&` Causal and `|` PrefixLM, forward and `jax.grad`, through Mosaic."""
 
-import jax
-import jax.numpy as jnp
 import pytest
-from helpers import block_pattern
-from jax.sharding import NamedSharding, PartitionSpec as P
+from ring_programs import block_sparse_mask, lowered_ring_grad
 
 import ringeqx as rx
 
@@ -16,22 +13,11 @@ SEQ, BLOCK = 4 * 1024, 256
 @pytest.mark.parametrize("which", ["alone", "and_causal", "or_prefix"])
 def test_block_sparse_compiles_with_mosaic(which):
     mesh = rx.target_mesh("v5p", "2x2x1")
-    sparse = rx.BlockSparse(block_pattern(SEQ, BLOCK), BLOCK)
-    mask = {
-        "alone": sparse,
-        "and_causal": sparse & rx.Causal(),
-        "or_prefix": (sparse & rx.Causal()) | rx.PrefixLM(100),
-    }[which]
-    kernel = rx.PallasTpuKernel(block_q=256, block_kv=256)
-
-    def loss(q, k, v):
-        out = rx.ring_attention(q, k, v, mesh=mesh, mask=mask, kernel=kernel)
-        return out.astype(jnp.float32).sum()
-
-    spec = NamedSharding(mesh, P(None, "sequence"))
-    args = [jax.ShapeDtypeStruct((1, SEQ, 4, 128), jnp.bfloat16, sharding=spec)] * 3
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
-    text = compiled.as_text()
+    lowered = lowered_ring_grad(
+        mesh, block_sparse_mask(which, SEQ, BLOCK), seq=SEQ, heads=4, kv_heads=4,
+        head_dim=128, kernel=rx.PallasTpuKernel(block_q=256, block_kv=256),
+    )
+    text = lowered.compile().as_text()
     assert "tpu_custom_call" in text
     for part in ("forward", "backward_dq", "backward_dkv"):
         assert f"ringeqx_tpu_flash_{part}" in text
