@@ -291,7 +291,7 @@ def test_tpu_causal_skipped_tiles_fetch_the_resident_block():
     n, block = 4, 128
     info = _records(1, n * block)
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
-    run = tiles.tile_table(rx.Causal(), info, info, n * block, block, n * block, block)
+    run = tiles.tile_mask(rx.Causal(), info, info, n * block, block, n * block, block)[0][..., 0]
     np.testing.assert_array_equal(run[0], np.tril(np.ones((n, n), np.int32)))
 
     # Forward / dQ: row i sweeps key tiles j; after the diagonal it keeps tile i.
@@ -320,7 +320,7 @@ def test_tpu_block_sparse_skipped_tiles_fetch_the_resident_block():
     info = _records(1, n * block)
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
     mask = rx.BlockSparse(jnp.asarray(pattern), block)
-    run = tiles.tile_table(mask, info, info, n * block, block, n * block, block)
+    run = tiles.tile_mask(mask, info, info, n * block, block, n * block, block)[0][..., 0]
     np.testing.assert_array_equal(run[0], pattern.astype(np.int32))
 
     got = _fetched(

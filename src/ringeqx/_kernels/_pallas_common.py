@@ -78,7 +78,7 @@ def operands(
     heads: int,
     scale: float,
 ) -> Operands:
-    """The operands of a call whose `(table, local)` come from `tile_table`: in the
+    """The operands of a call whose `(table, local)` come from `tile_mask`: in the
     kernels, `rebuild_mask(mask_refs, table_ref, tile)` gives the mask for a pair of
     tiles and `rebuild_mask.runs(table_ref, tile)` whether it runs."""
     mask_leaves, rebuild_mask = tiles.mask_operands(local, table.shape[-1])
@@ -92,7 +92,7 @@ def operands(
     return Operands(mask_leaves, mod_leaves, kernel_args)
 
 
-def tile_table(
+def tile_mask(
     t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo
 ) -> tuple[Array, TileLocal]:
     """`tiles.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,

@@ -49,12 +49,12 @@ def _k_info(ref, cols=slice(None)) -> TokenInfo:
     return tiles.token_info([ref[f, cols][None, :] for f in range(4)])
 
 
-def _run_table(run: Array) -> Array:
+def _run_table(table: Array) -> Array:
     """The tile table `[batch, rows, steps, stride]` (`tiles.tile_mask`) padded along
     steps to a power of two (Triton's block shapes), the padding not run, and flattened
     to `[batch, rows, steps * stride]` (a row per program)."""
-    run = tiles.pad_axis(run, 2, _pow2(run.shape[2]))
-    return run.reshape(run.shape[:2] + (-1,))
+    table = tiles.pad_axis(table, 2, _pow2(table.shape[2]))
+    return table.reshape(table.shape[:2] + (-1,))
 
 
 def _forward_kernel(
@@ -440,7 +440,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
             t = self._tiling(q, k)
-            table, local = common.tile_table(t, mask, q_info, kv_info)
+            table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
             run = _run_table(table)
             inputs = (
@@ -474,16 +474,16 @@ class PallasGpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
             t = self._tiling(q, k)
-            run, local = common.tile_table(t, mask, q_info, kv_info)
-            ops = common.operands(run, local, score_mod, t.heads, scale)
+            table, local = common.tile_mask(t, mask, q_info, kv_info)
+            ops = common.operands(table, local, score_mod, t.heads, scale)
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             q_rec = tiles.records(q_info, t.q_padded)
             k_rec = tiles.records(kv_info, t.kv_padded)
             inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec)
             params = self._params(t.head_dim)
-            run_q = _run_table(run)
-            run_k = _run_table(jnp.swapaxes(run, 1, 2))
+            run_q = _run_table(table)
+            run_k = _run_table(jnp.swapaxes(table, 1, 2))
             dq = _dq_call(t, ops, (*inputs, run_q), params, self.interpret)
             dk, dv = _dkv_call(t, ops, (*inputs, run_k), params, self.interpret)
             return common.trim_grads(t, dq, dk, dv)

@@ -248,27 +248,6 @@ def head_specs(
     ]
 
 
-def tile_table(
-    mask: AbstractMask,
-    q_info: TokenInfo,
-    kv_info: TokenInfo,
-    q_len: int,
-    block_q: int,
-    kv_len: int,
-    block_kv: int,
-) -> Int[Array, "batch q_tiles kv_tiles"]:
-    """`int32[batch, q_tiles, kv_tiles]`: 1 where a query tile and a key tile may have an
-    attending pair (the mask's block rule on the two tiles' summaries, and both tiles
-    hold a valid token), 0 where the kernels skip the pair.
-
-    It is computed here, outside the kernels, for every pair at once, so that a block
-    rule may use anything XLA can run (`BlockSparse` sums its block map with `cumsum`),
-    and the kernels only read one integer per tile.
-    """
-    qs, ks = _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv)
-    return block_rule(mask, qs, ks).astype(jnp.int32)
-
-
 def tile_mask(
     mask: AbstractMask,
     q_info: TokenInfo,
@@ -280,12 +259,17 @@ def tile_mask(
 ) -> tuple[Int[Array, "batch q_tiles kv_tiles stride"], TileLocal]:
     """The tile table and the tile-local mask of a kernel call.
 
-    `table[b, i, j]` holds `stride` (a power of two) int32 entries: `tile_table`'s
-    run flag, then the per-tile operands of `mask.tile_local` for query tile `i` and
+    `table[b, i, j]` holds `stride` (a power of two) int32 entries: 1 where query tile
+    `i` and key tile `j` may have an attending pair (the mask's block rule on the two
+    tiles' summaries, and both tiles hold a valid token) and 0 where the kernels skip
+    the pair, then the per-tile operands of `mask.tile_local` for query tile `i` and
     key tile `j`. Both come from the tiles' summaries of the actual records, so they
-    hold for any layout; where the tile-local form is not exact on a tile that runs
-    (positions too far apart in one tile for the window a mask hands the kernel), the
-    table is an error at run time (`eqx.error_if`) rather than a wrong answer.
+    hold for any layout. They are computed here, outside the kernels, for every pair at
+    once, so that a block rule may use anything XLA can run (`BlockSparse` sums its
+    block map with `cumsum`), and the kernels only read a few integers per tile. Where
+    the tile-local form is not exact on a tile that runs (positions too far apart in
+    one tile for the window a mask hands the kernel), the table is an error at run
+    time (`eqx.error_if`) rather than a wrong answer.
     """
     qs, ks = _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv)
     run = block_rule(mask, qs, ks)

@@ -321,7 +321,7 @@ def _in_specs(
 
 def _mosaic_call(
     kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name,
-    cost=None,
+    cost,
 ):
     """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
     the last `sequential` grid axes accumulate into scratch ("arbitrary")."""
@@ -525,7 +525,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
             t = self._tiling(q, k)
-            table, local = common.tile_table(t, mask, q_info, kv_info)
+            table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
             plan = tile_plan(table)
             inputs = (
@@ -557,8 +557,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
             t = self._tiling(q, k)
-            run, local = common.tile_table(t, mask, q_info, kv_info)
-            ops = common.operands(run, local, score_mod, t.heads, scale)
+            table, local = common.tile_mask(t, mask, q_info, kv_info)
+            ops = common.operands(table, local, score_mod, t.heads, scale)
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
@@ -571,7 +571,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 _q_records(q_info, t.q_padded),
                 _k_records(kv_info, t.kv_padded),
             )
-            dq = _dq_call(t, ops, tile_plan(run), inputs, self.interpret)
-            plan_k = tile_plan(jnp.swapaxes(run, 1, 2))
+            dq = _dq_call(t, ops, tile_plan(table), inputs, self.interpret)
+            plan_k = tile_plan(jnp.swapaxes(table, 1, 2))
             dk, dv = _dkv_call(t, ops, plan_k, inputs, self.interpret)
             return common.trim_grads(t, dq, dk, dv)
