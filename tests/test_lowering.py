@@ -57,18 +57,14 @@ def _mods(heads: int):
     ]
 
 
-def _lowerable(mask_name: str) -> bool:
-    # BlockSparse lowers (per-tile windows of its map, `AbstractMask.tile_local`), but
-    # its run-time exactness check (`eqx.error_if`, a host callback) cannot be exported
-    # for another platform from this CPU host: aot/test_{tpu,gpu}_block_sparse.py
-    # compile it for real targets instead.
-    return "block_sparse" not in mask_name
-
-
 def _records(batch: int, length: int) -> rx.TokenInfo:
+    # One run of consecutive positions, said statically (`rx.Runs`), as a ring shard of
+    # a contiguous layout is: BlockSparse's per-tile windows are then exact when traced,
+    # with no run-time check (a host callback, which cannot be exported for another
+    # platform from this CPU host).
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     spans = jnp.where((pos >= 10) & (pos < 30), 0, -1)
-    return rx.TokenInfo(pos, pos // 97, spans, pos < length - 3)
+    return rx.TokenInfo(pos, pos // 97, spans, pos < length - 3, rx.Runs((0,), length))
 
 
 def _platform(platform: str, mesh=None):
@@ -137,9 +133,9 @@ def _shapes(dtypes, head_dims):
 
 
 def _covering(shapes, every_pair: bool):
-    """Cases that cover every shape and, with `every_pair`, every lowerable mask with
+    """Cases that cover every shape and, with `every_pair`, every mask with
     every modifier: the pairs are dealt round the shapes, so each shape gets some."""
-    masks = [make(SEQ) for name, make in MASKS if _lowerable(name)]
+    masks = [make(SEQ) for _, make in MASKS]
     pairs = [(m, i) for m in range(len(masks)) for i in range(4)]
     if not every_pair:
         pairs = [(n % len(masks), n % 4) for n in range(len(shapes))]

@@ -64,7 +64,7 @@ from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
 from ._targets import target_mesh as target_mesh
-from ._tokens import BlockSummary as BlockSummary, TokenInfo as TokenInfo
+from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
 from ._trace import (
     ProgramProfile as ProgramProfile,
     ThreadTime as ThreadTime,

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from ._tokens import TokenInfo
+
 
 def _home(chunk: int, num_shards: int) -> int:
     """The zigzag device of chunk `chunk`."""
@@ -39,6 +41,18 @@ def _even_device(axis_name: str) -> Array:
     return jax.lax.axis_index(axis_name) % 2 == 0
 
 
+def _traded(tree: PyTree) -> PyTree:
+    """`tree` after its half-shards were traded: the token records' `runs` (a claim the
+    kernels trust) become those of shards made of any two half-shards."""
+
+    def relabel(x):
+        if isinstance(x, TokenInfo) and x.runs is not None:
+            return TokenInfo(x.positions, x.segments, x.spans, x.valid, x.runs.halves())
+        return x
+
+    return jax.tree.map(relabel, tree, is_leaf=lambda x: isinstance(x, TokenInfo))
+
+
 def to_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
     """This device's contiguous shard -> its zigzag shard, for every leaf (sequence on
     `axis`). Runs inside `shard_map` over `axis_name`."""
@@ -54,7 +68,7 @@ def to_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> P
         second = jnp.where(even_device, odd, even)
         return jnp.concatenate([first, second], axis)
 
-    return jax.tree.map(move, tree)
+    return _traded(jax.tree.map(move, tree))
 
 
 def from_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
@@ -70,4 +84,4 @@ def from_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) ->
         hi = jax.lax.ppermute(odd, axis_name, [(b, a) for a, b in odd_perm])
         return jnp.concatenate([lo, hi], axis)
 
-    return jax.tree.map(move, tree)
+    return _traded(jax.tree.map(move, tree))

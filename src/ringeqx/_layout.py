@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
 from ._numbers import check_int32, is_int
-from ._tokens import TokenInfo
+from ._tokens import Runs, TokenInfo
 
 
 class Layout(eqx.Module):
@@ -39,6 +39,11 @@ class Layout(eqx.Module):
         the padding is all at the end ([`ringeqx.contiguous_layout`][], `Uniform`): then
         `shard`/`unshard` pad and slice instead of gathering, and sequence-sharded arrays
         keep their sharding.
+    - `runs`: static, a [`ringeqx.Runs`][] of period `capacity`: where each shard's runs
+        of consecutive positions start, the same in every shard (and every example), or
+        None when that is not known at trace time. A `contiguous` layout is one run per
+        shard without it. The Pallas kernels read it from `token_info()` to run
+        `BlockSparse` without a run-time check.
 
     A layout with leading batch axes (made from batched segment ids) describes each example
     separately.
@@ -51,6 +56,7 @@ class Layout(eqx.Module):
     seq_len: int = eqx.field(static=True)
     contiguous: bool = eqx.field(static=True, default=False)
     in_order: bool = eqx.field(static=True, default=False)
+    runs: Runs | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         shape = self.positions.shape
@@ -65,6 +71,11 @@ class Layout(eqx.Module):
                 raise ValueError(
                     f"Layout.{name} must have the shape of positions {shape}; got {got}."
                 )
+        if self.runs is not None and self.runs.period != shape[-1]:
+            raise ValueError(
+                f"Layout `runs` must describe a shard: period = capacity = {shape[-1]}; "
+                f"got period {self.runs.period}."
+            )
 
     @property
     def num_shards(self) -> int:
@@ -84,13 +95,18 @@ class Layout(eqx.Module):
         return self.num_shards * self.capacity
 
     def token_info(self) -> TokenInfo:
-        """Per-slot records in layout order, `[*batch, shards * capacity]`."""
+        """Per-slot records in layout order, `[*batch, shards * capacity]`, with the
+        layout's `runs` (one run per shard for a `contiguous` layout)."""
         flat = self.batch_shape + (self.sharded_len,)
+        runs = self.runs
+        if runs is None and self.contiguous:
+            runs = Runs((0,), self.capacity)
         return TokenInfo(
             self.positions.reshape(flat),
             self.segments.reshape(flat),
             self.spans.reshape(flat),
             self.valid.reshape(flat),
+            runs,
         )
 
     def _seq_axis(self, x, length: int, axis: int | None, method: str) -> int:
@@ -212,6 +228,7 @@ def layout_from_order(
     segment_ids: Int[Array, "*#batch seq"] | None = None,
     span_ids: Int[Array, "*#batch seq"] | None = None,
     contiguous: bool = False,
+    runs: Runs | None = None,
 ) -> Layout:
     """Build a `Layout` from the original index held by each slot (`-1` = padding).
 
@@ -224,6 +241,9 @@ def layout_from_order(
     - `segment_ids`, `span_ids`: optional per-token ids in original order; batched ids
         give a batched layout.
     - `contiguous`: whether shards hold consecutive runs in shard order.
+    - `runs`: where runs of consecutive positions start in every shard, when the
+        strategy knows it statically (see [`ringeqx.Runs`][]): a claim about every value
+        `order` may take, which the Pallas kernels trust.
     """
     order = jnp.asarray(order, jnp.int32)
     valid = order >= 0
@@ -248,6 +268,7 @@ def layout_from_order(
         valid=jnp.broadcast_to(valid, shape),
         seq_len=seq_len,
         contiguous=contiguous,
+        runs=runs,
     )
 
 
@@ -301,4 +322,5 @@ def contiguous_layout(
         seq_len=seq_len,
         contiguous=True,
         in_order=True,
+        runs=Runs((0,), capacity),
     )

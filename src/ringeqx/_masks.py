@@ -120,6 +120,11 @@ class AbstractMask(eqx.Module):
         kernel as per-tile scalars, which the kernel reads for the tile it runs (from
         SMEM on a TPU).
 
+        Where the layout bounds how far apart a tile's positions are
+        ([`ringeqx.BlockSummary`][]'s static `extent`: a tile inside one run of
+        consecutive positions spans at most its own size), return `exact=True` as a
+        Python bool: the kernel then emits no run-time check (`BlockSparse` does).
+
         Not needed for masks without tables: the default is the mask itself, with no
         per-tile operands, exact everywhere. `And` and `Or` combine their parts'.
 
@@ -161,9 +166,12 @@ class TileLocal(NamedTuple):
         each tile its own entry (a scalar).
     - `per_tile`: one flag per array leaf of `mask` (in `jax.tree.leaves` order of its
         arrays): True for a per-tile operand.
-    - `exact`: `bool[*tiles]` (or True): where `mask` agrees with the original mask on
-        every pair of tokens of the two tiles. A kernel refuses, at run time, to run a
-        tile where it is False (`eqx.error_if`); it never answers inexactly.
+    - `exact`: where `mask` agrees with the original mask on every pair of tokens of
+        the two tiles: `True` (a Python bool: everywhere, known when traced, so the
+        kernel emits no check), `False` (nowhere it can promise: the kernel refuses when
+        traced, with an error that names the mask, the tiles and the layout's runs), or
+        `bool[*tiles]`, which the kernel checks at run time (`eqx.error_if`, a host
+        callback) before it runs a tile where it is False. It never answers inexactly.
     """
 
     mask: "AbstractMask"
@@ -418,6 +426,14 @@ class BlockSparse(AbstractMask):
     whether any entry is True in the rectangle of the map that the two blocks' position
     ranges cover (a summed-area table, so it is cheap for any ranges).
 
+    In the Pallas kernels each pair of tiles gets the window of the map its positions
+    can meet (`tile_local`), sized when traced from the layout's
+    [`ringeqx.Runs`][]: with the ring's default layout, `Uniform`, `Zigzag` whose chunks
+    are whole tiles and `Striped` (whose window grows with its spread, up to a few
+    words), no run-time check is emitted, so the ring compiles for any GPU or TPU
+    target. Records that do not bound a tile keep a run-time check; a spread too wide
+    for a window is refused when traced. Never a wrong answer.
+
     **Arguments:**
 
     - `block_mask`: `bool[q_blocks, k_blocks]`, both `ceil(seq_len / block_size)` (checked
@@ -466,15 +482,38 @@ class BlockSparse(AbstractMask):
         count, area = self._rectangle(q, k)
         return nonempty & (count == area)
 
+    def _window(self, s: BlockSummary, axis: int, block: int) -> tuple[int, int, bool]:
+        """The map blocks a tile's window spans (from the tile's known extent, else its
+        token count), the window a tile of one run needs, and whether every tile fits
+        its window statically (a known extent, or a window as large as the map)."""
+        n = self.block_mask.shape[axis]
+
+        def blocks(span: int) -> int:
+            # `span` consecutive positions meet at most this many map blocks.
+            return min(n, -(-(span - 1) // self.block_size) + 1)
+
+        one_run = blocks(block)
+        if s.extent is None:
+            return one_run, one_run, one_run == n
+        return blocks(s.extent), one_run, True
+
     def tile_local(
         self, q: BlockSummary, k: BlockSummary, block_q: int, block_kv: int
     ) -> "TileLocal":
-        # A run of `block` consecutive positions meets at most `window` map blocks. Each
-        # pair of tiles gets that window of the map, from its first blocks on, packed
-        # into int32 words, which the kernel indexes by shifts: no gather.
-        nq, nk = self.block_mask.shape
-        wq = min(nq, -(-(block_q - 1) // self.block_size) + 1)
-        wk = min(nk, -(-(block_kv - 1) // self.block_size) + 1)
+        # A tile's valid positions meet at most `window` map blocks: from its extent
+        # when the layout bounds it (`BlockSummary.extent`: then it fits, no check), else
+        # as if it held one run of consecutive positions (checked). Each pair of tiles
+        # gets that window of the map, from its first blocks on, packed into int32
+        # words, which the kernel indexes by shifts: no gather.
+        wq, q_run, q_static = self._window(q, 0, block_q)
+        wk, k_run, k_static = self._window(k, 1, block_kv)
+        if _words(wq, wk) > max(_MAX_WORDS, _words(q_run, k_run)):
+            # Positions spread too far in a tile for a window of a few words (Striped
+            # with a short stripe over many shards): refused when traced, never checked
+            # at run time against windows that would not fit.
+            wq, wk, q_static, k_static, refuse = q_run, k_run, True, True, True
+        else:
+            refuse = False
         shape = _shape(q, k)
 
         def first(s: BlockSummary, axis: int, window: int):
@@ -489,7 +528,7 @@ class BlockSparse(AbstractMask):
         rows = q_first[..., None, None] + jnp.arange(wq).reshape(lead + (wq, 1))
         cols = k_first[..., None, None] + jnp.arange(wk).reshape(lead + (1, wk))
         bits = self.block_mask[rows, cols].reshape(shape + (wq * wk,))
-        num_words = -(-(wq * wk) // 32)
+        num_words = _words(wq, wk)
         bits = jnp.pad(bits, [(0, 0)] * len(shape) + [(0, 32 * num_words - wq * wk)])
         bits = bits.reshape(shape + (num_words, 32)).astype(jnp.uint32)
         shifts = jnp.arange(32, dtype=jnp.uint32).reshape(lead + (1, 32))
@@ -502,7 +541,11 @@ class BlockSparse(AbstractMask):
             self.block_size,
             (wq, wk),
         )
-        return TileLocal(local, (True,) * (2 + num_words), q_fits & k_fits)
+        if refuse:
+            exact = False
+        else:
+            exact = (True if q_static else q_fits) & (True if k_static else k_fits)
+        return TileLocal(local, (True,) * (2 + num_words), exact)
 
     def max_distance(self) -> int | None:
         return None
@@ -518,6 +561,15 @@ class BlockSparse(AbstractMask):
                 f"* 2 = {(n, n)} for seq_len={seq_len} and block_size="
                 f"{self.block_size}; got shape {self.block_mask.shape}."
             )
+
+
+# Words of the map a tile's window may grow to beyond what tiles of one run need: each
+# word costs the kernel a select per pair of tokens.
+_MAX_WORDS = 8
+
+
+def _words(rows: int, cols: int) -> int:
+    return -(-(rows * cols) // 32)
 
 
 class _BlockWindow(AbstractMask):
@@ -570,8 +622,15 @@ def _combine_local(
 ) -> TileLocal:
     a = left.tile_local(q, k, block_q, block_kv)
     b = right.tile_local(q, k, block_q, block_kv)
-    # The array leaves of `cls(l, r)` are those of `l`, then those of `r`.
-    return TileLocal(cls(a.mask, b.mask), a.per_tile + b.per_tile, a.exact & b.exact)
+    # The array leaves of `cls(l, r)` are those of `l`, then those of `r`. Exact where
+    # both are; a static answer stays static.
+    if a.exact is False or b.exact is False:
+        exact = False
+    elif a.exact is True or b.exact is True:
+        exact = b.exact if a.exact is True else a.exact
+    else:
+        exact = a.exact & b.exact
+    return TileLocal(cls(a.mask, b.mask), a.per_tile + b.per_tile, exact)
 
 
 def _min_bound(a: int | None, b: int | None) -> int | None:

@@ -266,12 +266,25 @@ def tile_mask(
     key tile `j`. Both come from the tiles' summaries of the actual records, so they
     hold for any layout. They are computed here, outside the kernels, for every pair at
     once, so that a block rule may use anything XLA can run (`BlockSparse` sums its
-    block map with `cumsum`), and the kernels only read a few integers per tile. Where
-    the tile-local form is not exact on a tile that runs (positions too far apart in
-    one tile for the window a mask hands the kernel), the table is an error at run
-    time (`eqx.error_if`) rather than a wrong answer.
+    block map with `cumsum`), and the kernels only read a few integers per tile.
+
+    Whether the tile-local form is exact (a tile's positions no further apart than the
+    window of the mask a kernel gets per tile) is decided when traced wherever the
+    records say where their runs of consecutive positions start (`TokenInfo.runs`, from
+    the layout: `Runs.tile_extent` bounds every tile's extent, `BlockSummary.extent`):
+    exact, and no check is emitted (Uniform, Boundary, Zigzag and Striped whose runs
+    the tiles do not straddle, or Striped's stripes within a window of a few words); or
+    a `ValueError` now, naming the mask, the tiles, the runs and tiles that fit. Only
+    records without that fact (a hand-built TokenInfo, the ring's K/V halves with
+    `bidirectional=True`, a Zigzag tile straddling its two chunks) are checked at run
+    time: `eqx.error_if` makes the table an error rather than a wrong answer. That is a
+    host callback, which XLA compiles for real GPUs and TPUs but which a compile-only
+    GPU (the CUDA plugin without a driver) cannot lower: give such programs their runs.
     """
-    qs, ks = _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
+    qs, ks = _tile_summaries(
+        q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
+    )
     run = block_rule(mask, qs, ks)
     local = mask.tile_local(qs, ks, block_q, block_kv)
     values, _ = _kernel_leaves(local.mask)
@@ -283,6 +296,18 @@ def tile_mask(
                 f"{type(mask).__name__}.tile_local must give per-tile operands of the "
                 f"tiles' shape {shape}; got shape {x.shape}."
             )
+    if local.exact is False:
+        fits = _fitting_tiles(mask, q_info, kv_info, block_q, block_kv)
+        raise ValueError(
+            f"{type(mask).__name__} cannot run exactly in a Pallas kernel with "
+            f"{block_q}x{block_kv} tiles on this layout: its query tiles hold positions "
+            f"up to {q_extent} apart and its key tiles up to {kv_extent} (query runs "
+            f"{q_info.runs}, key runs {kv_info.runs}), more than the part of the mask a "
+            "kernel gets per tile covers (a BlockSparse map: a window of a few words). "
+            f"{fits}Use smaller tiles, a layout whose runs of consecutive positions are "
+            "multiples of the tiles (Striped with a longer stripe; Uniform, Zigzag), a "
+            "larger block_size, or XlaKernel."
+        )
     entries = [run.astype(jnp.int32), *per_tile]
     stride = 1 << (len(entries) - 1).bit_length()
     entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
@@ -296,21 +321,60 @@ def tile_mask(
             f"{block_q}x{block_kv} tiles here: a query or key tile holds positions "
             "further apart than the part of the mask the kernel gets per tile (a "
             "BlockSparse map: the blocks a run of consecutive positions meets). The "
-            "layout places far-apart positions in one tile (Striped does); use a "
-            "contiguous layout (Uniform, Zigzag), a larger block_size, or XlaKernel.",
+            "layout places far-apart positions in one tile (a tile straddles two runs "
+            "of consecutive positions); use a layout whose runs are multiples of the "
+            "tiles (Uniform, Zigzag with a length divisible by 2 x devices x tiles), a "
+            "larger block_size, or XlaKernel.",
         )
     return table, local
 
 
-def _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv):
+def _extent(info: TokenInfo, block: int) -> int | None:
+    """The static bound on the position extent of every `block`-slot tile of `info`'s
+    last axis that its runs give (`Runs.tile_extent`), or None."""
+    if info.runs is None:
+        return None
+    return info.runs.tile_extent(info.positions.shape[-1], block)
+
+
+def _fitting_tiles(mask, q_info, kv_info, block_q: int, block_kv: int) -> str:
+    """A sentence naming the largest smaller tiles (powers of two from 8, halving
+    each side) on which `mask.tile_local` is not refused, or "" if none is."""
+    one = jnp.zeros((), jnp.int32)
+    best = None
+    for bq in _halvings(block_q):
+        for bk in _halvings(block_kv):
+            qs = BlockSummary(*[one] * 6, jnp.ones((), bool), _extent(q_info, bq))
+            ks = BlockSummary(*[one] * 6, jnp.ones((), bool), _extent(kv_info, bk))
+            exact = eqx.filter_eval_shape(
+                lambda m, a, b: m.tile_local(a, b, bq, bk).exact, mask, qs, ks
+            )
+            if exact is not False and (best is None or bq * bk > best[0] * best[1]):
+                best = (bq, bk)
+    if best is None:
+        return ""
+    return f"Tiles of {best[0]}x{best[1]} fit, if the kernel takes them. "
+
+
+def _halvings(block: int) -> list[int]:
+    out = [block]
+    while out[-1] % 2 == 0 and out[-1] > 8:
+        out.append(out[-1] // 2)
+    return out
+
+
+def _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent):
     """Summaries of every query tile `[batch, q_tiles, 1]` and key tile
-    `[batch, 1, kv_tiles]`."""
+    `[batch, 1, kv_tiles]`, with the extents the records' runs bound."""
 
-    def summaries(info, length, block):
-        return BlockSummary.of(tile_info(info, length // block, block, axis=1), axis=2)
+    def summaries(info, length, block, extent):
+        tiled = tile_info(info, length // block, block, axis=1)
+        return BlockSummary.of(tiled, axis=2, extent=extent)
 
-    qs = jax.tree.map(lambda x: x[:, :, None], summaries(q_info, q_len, block_q))
-    ks = jax.tree.map(lambda x: x[:, None, :], summaries(kv_info, kv_len, block_kv))
+    qs = summaries(q_info, q_len, block_q, q_extent)
+    ks = summaries(kv_info, kv_len, block_kv, kv_extent)
+    qs = jax.tree.map(lambda x: x[:, :, None], qs)
+    ks = jax.tree.map(lambda x: x[:, None, :], ks)
     return qs, ks
 
 

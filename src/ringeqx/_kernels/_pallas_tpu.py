@@ -454,12 +454,13 @@ class PallasTpuKernel(AbstractAttentionKernel):
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
     `interpret=True`. Sequences are padded to whole tiles, the padding masked.
     `BlockSparse` (alone or combined) runs from per-tile windows of its map, prefetched
-    into SMEM with the tile table (`AbstractMask.tile_local`); a layout that puts
-    positions too far apart in one tile for that window is a run-time error, never a
-    wrong answer. Other masks that look a table up per token pair (a `gather`) are
-    refused when traced. On a machine without a TPU the kernel still traces, so a program can be
-    exported for `"tpu"` with `jax.export`; lowering it for any other platform is an
-    error that names the platform.
+    into SMEM with the tile table (`AbstractMask.tile_local`), exact when traced where
+    the records' runs (`TokenInfo.runs`, from the layout) bound every tile; elsewhere
+    a tile whose window is inexact is a run-time error, never a wrong answer. Other
+    masks that look a table up per token pair (a `gather`) are refused when traced. On
+    a machine without a TPU the kernel still traces, so a program can be exported for
+    `"tpu"` with `jax.export`; lowering it for any other platform is an error that
+    names the platform.
 
     ??? cite "Flash Attention 2"
 

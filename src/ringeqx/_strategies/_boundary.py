@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
 from .._layout import Layout, layout_from_order
+from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import balanced_cuts, is_traced, order_from_pieces, snap_cuts
 from ._uniform import check_num_shards
@@ -53,8 +54,14 @@ def _boundary_layout(
         )
     # Shards are consecutive runs in order, but the layout is not `contiguous=True`:
     # shards may hold fewer than `capacity` tokens, which the ring's early stop for
-    # bounded masks does not allow for.
-    return layout_from_order(order, seq_len, segment_ids=segment_ids, span_ids=span_ids)
+    # bounded masks does not allow for. Each is one run, wherever the cuts are.
+    return layout_from_order(
+        order,
+        seq_len,
+        segment_ids=segment_ids,
+        span_ids=span_ids,
+        runs=Runs((0,), capacity),
+    )
 
 
 class Boundary(AbstractShardingStrategy):

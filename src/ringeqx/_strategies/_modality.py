@@ -7,6 +7,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from .._layout import Layout, _check_ids, layout_from_order
+from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import (
     balanced_cuts,
@@ -81,7 +82,12 @@ def _modality_layout(
         )
     batch = () if span_ids is None else jnp.shape(span_ids)[:-1]
     orders = orders.reshape(batch + (num_shards, capacity))
-    return layout_from_order(orders, seq_len, segment_ids=segment_ids, span_ids=span_ids)
+    # One run per shard without zigzag; with it the tail piece starts wherever the cuts
+    # (traced: they follow the spans) put the head piece's end.
+    runs = None if zigzag else Runs((0,), capacity)
+    return layout_from_order(
+        orders, seq_len, segment_ids=segment_ids, span_ids=span_ids, runs=runs
+    )
 
 
 class ModalityAware(AbstractShardingStrategy):

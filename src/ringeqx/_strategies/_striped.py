@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._layout import Layout, layout_from_order
+from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._uniform import check_num_shards
 
@@ -18,7 +19,15 @@ def _striped_layout(stripe: int, seq_len: int, num_shards: int, segment_ids, spa
     shard = jnp.arange(num_shards, dtype=jnp.int32)[:, None]
     token = ((slot // stripe) * num_shards + shard) * stripe + slot % stripe
     order = jnp.where(token < seq_len, token, -1)
-    return layout_from_order(order, seq_len, segment_ids=segment_ids, span_ids=span_ids)
+    # A run per stripe, the next `num_shards * stripe` positions on (one run per shard
+    # on a single shard).
+    if num_shards == 1:
+        runs = Runs((0,), capacity)
+    else:
+        runs = Runs(range(0, capacity, stripe), capacity, stride=num_shards * stripe)
+    return layout_from_order(
+        order, seq_len, segment_ids=segment_ids, span_ids=span_ids, runs=runs
+    )
 
 
 class Striped(AbstractShardingStrategy):

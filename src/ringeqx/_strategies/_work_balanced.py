@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._layout import Layout, _check_ids, layout_from_order
+from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import runs
 from ._uniform import check_num_shards
@@ -116,7 +117,12 @@ def _work_balanced_layout(
 
     orders = jax.vmap(order)(seg.reshape((-1, seq_len)))
     orders = orders.reshape(batch + orders.shape[-2:])
-    return layout_from_order(orders, seq_len, segment_ids=segment_ids, span_ids=span_ids)
+    # Every chunk fills its own `chunk` slots, whichever device it went to.
+    capacity = orders.shape[-1]
+    runs = Runs(range(0, capacity, chunk), capacity)
+    return layout_from_order(
+        orders, seq_len, segment_ids=segment_ids, span_ids=span_ids, runs=runs
+    )
 
 
 class WorkBalanced(AbstractShardingStrategy):

@@ -4,9 +4,11 @@ import math
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int
 
 from .._layout import Layout, layout_from_order
+from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import balanced_cuts, order_from_pieces, zigzag_pieces
 from ._uniform import check_num_shards
@@ -14,11 +16,18 @@ from ._uniform import check_num_shards
 
 @eqx.filter_jit
 def _zigzag_layout(seq_len: int, num_shards: int, segment_ids, span_ids) -> Layout:
-    cuts = jnp.asarray(balanced_cuts(seq_len, 2 * num_shards))
-    starts, lengths = zigzag_pieces(cuts)
+    cuts = balanced_cuts(seq_len, 2 * num_shards)
+    starts, lengths = zigzag_pieces(jnp.asarray(cuts))
     capacity = 2 * math.ceil(seq_len / (2 * num_shards))
     order = order_from_pieces(starts, lengths, capacity)
-    return layout_from_order(order, seq_len, segment_ids=segment_ids, span_ids=span_ids)
+    # Each shard's tail chunk starts right after its head chunk, whose length (static:
+    # the cuts are) differs by at most one between shards; on one shard the two chunks
+    # are one run.
+    heads = np.diff(cuts)[:num_shards] if num_shards > 1 else []
+    runs = Runs(sorted({0} | {int(n) for n in heads if 0 < n < capacity}), capacity)
+    return layout_from_order(
+        order, seq_len, segment_ids=segment_ids, span_ids=span_ids, runs=runs
+    )
 
 
 class Zigzag(AbstractShardingStrategy):
