@@ -697,3 +697,31 @@ def test_masked_out_shard_offsets_are_never_sent():
         assert sched.tiles_run.shape == (steps, p) and full.tiles_run.shape == (p, p)
         assert float(jnp.sum(sched.pairs)) == float(jnp.sum(full.pairs)) > 0
         assert 0 < int(sched.total_tiles) <= int(full.total_tiles)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_wire_packs_records_and_compressed_kv_into_few_arrays(dtype):
+    # XLA's TPU scheduler keeps at most five permutes in flight over a kernel, so a ring
+    # step's K, V and records must travel as at most three arrays, and decode exactly
+    # what a cast to the wire dtype keeps.
+    from ringeqx._comm import decode, encode
+
+    k = jax.random.normal(jax.random.key(0), (1, 2, 8, 4), jnp.float32) * 300
+    v = jax.random.normal(jax.random.key(1), (1, 2, 8, 4), jnp.float32)
+    pos = jnp.arange(8, dtype=jnp.int32)[None]
+    info = rx.TokenInfo(pos, pos // 3, jnp.where(pos > 4, pos, -1), pos % 5 != 2)
+    wire, layout = encode((k, v, info), dtype)
+    assert len(wire) == {None: 3, jnp.bfloat16: 2, jnp.float16: 3, jnp.float8_e4m3fn: 3}[dtype]
+    k2, v2, info2 = decode(wire, layout)
+    for name in ("positions", "segments", "spans", "valid"):
+        np.testing.assert_array_equal(getattr(info2, name), getattr(info, name))
+        assert getattr(info2, name).dtype == getattr(info, name).dtype
+    for x, y in ((k, k2), (v, v2)):
+        assert y.dtype == x.dtype and y.shape == x.shape
+        if dtype is None:
+            np.testing.assert_array_equal(y, x)
+        else:
+            # Within the wire dtype's relative rounding (scaled formats: of the block max).
+            eps = float(jnp.finfo(dtype).eps)
+            bound = eps * jnp.max(jnp.abs(x)) if dtype != jnp.bfloat16 else eps * jnp.abs(x)
+            assert bool(jnp.all(jnp.abs(y - x) <= bound + 1e-30)), dtype

@@ -1,12 +1,14 @@
 """Ring communication: configuration, and how K/V pieces and dK/dV travel round the ring."""
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
+
+from ._tokens import TokenInfo
 
 
 def _dtype_or_none(d):
@@ -220,15 +222,6 @@ def _pack(x, dt):
     return jax.lax.bitcast_convert_type(y, bits), scale
 
 
-def _unpack(sent, scale, like, dt):
-    if dt is None or not jnp.issubdtype(like.dtype, jnp.floating) or like.dtype == dt:
-        return sent
-    y = jax.lax.bitcast_convert_type(sent, dt)
-    if scale is None:
-        return y.astype(like.dtype)
-    return (y.astype(jnp.float32) * scale).astype(like.dtype)
-
-
 def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, config: RingConfig) -> PyTree:
     """`shift(tree, +1)`, with floating arrays sent in `config.compression_dtype` (kept
     with its old signature for callers outside the ring's step code)."""
@@ -237,13 +230,83 @@ def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, config: Ring
 
 def shift_as(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
     """`shift(tree, offset)`, with floating arrays sent in `dtype` (None: as they are)."""
-    if dtype is None:
-        return shift(tree, axis_name, num_shards, offset)
-    leaves, treedef = jax.tree.flatten(tree)
-    packed = [_pack(x, dtype) for x in leaves]
-    sent = shift(packed, axis_name, num_shards, offset)
-    out = [_unpack(y, s, x, dtype) for (y, s), x in zip(sent, leaves)]
-    return jax.tree.unflatten(treedef, out)
+    wire, layout = encode(tree, dtype)
+    return decode(shift(wire, axis_name, num_shards, offset), layout)
+
+
+class _Leaf(NamedTuple):
+    """Where one leaf travels in the wire: `kind` `"records"` (a TokenInfo packed into
+    one integer array, wire array `index`), `"packed"` (floating bits in `wire_dtype`,
+    row `row` of the stacked wire array `index`; its scale, if any, the same row of
+    wire array `index + 1`) or `"as_is"` (wire array `index`)."""
+
+    kind: str
+    index: int
+    dtype: jnp.dtype
+    wire_dtype: jnp.dtype | None = None
+    row: int = 0
+    scaled: bool = False
+
+
+def _is_records(x) -> bool:
+    return isinstance(x, TokenInfo)
+
+
+def encode(tree: PyTree, dtype) -> tuple[list, tuple]:
+    """`tree` -> `(wire, layout)`: the arrays that travel and the static layout `decode`
+    rebuilds `tree` from. As few arrays as possible travel, because XLA's TPU scheduler
+    keeps at most five permutes in flight over a kernel (measured): a TokenInfo goes as
+    one `[4, *shape]` integer array, and floating leaves compressed to `dtype` as the
+    raw bits of one stacked array per shape (and one stacked array of their scales,
+    where the dtype needs one); stacking costs nothing there, since the cast writes them
+    anyway. Uncompressed leaves go as they are. `RingPlan.send` puts the wire behind an
+    optimization barrier, so that XLA can neither split a stacked array into several
+    permutes nor move the cast past the transfer."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_records)
+    wire: list = []
+    kinds: list = [None] * len(leaves)
+    stacks: dict = {}
+    for i, x in enumerate(leaves):
+        if _is_records(x):
+            ints = jnp.result_type(x.positions, x.segments, x.spans)
+            parts = (x.positions, x.segments, x.spans, x.valid)
+            kinds[i] = _Leaf("records", len(wire), jnp.dtype(ints))
+            wire.append(jnp.stack([a.astype(ints) for a in parts]))
+            continue
+        bits, scale = _pack(x, dtype)
+        if bits.dtype == x.dtype:
+            kinds[i] = _Leaf("as_is", len(wire), jnp.dtype(x.dtype))
+            wire.append(x)
+        else:
+            stacks.setdefault((bits.shape, bits.dtype), []).append((i, bits, scale))
+    for rows in stacks.values():
+        scaled = rows[0][2] is not None
+        for row, (i, _, _) in enumerate(rows):
+            kinds[i] = _Leaf(
+                "packed", len(wire), jnp.dtype(leaves[i].dtype), jnp.dtype(dtype), row, scaled
+            )
+        wire.append(jnp.stack([bits for _, bits, _ in rows]))
+        if scaled:
+            wire.append(jnp.stack([scale for _, _, scale in rows]))
+    return wire, (treedef, tuple(kinds))
+
+
+def decode(wire: list, layout: tuple) -> PyTree:
+    """The inverse of `encode`, on the arrays received."""
+    treedef, kinds = layout
+    leaves = []
+    for kind in kinds:
+        w = wire[kind.index]
+        if kind.kind == "records":
+            leaves.append(TokenInfo(w[0], w[1], w[2], w[3] != 0))
+        elif kind.kind == "as_is":
+            leaves.append(w)
+        else:
+            y = jax.lax.bitcast_convert_type(w[kind.row], kind.wire_dtype)
+            if kind.scaled:
+                y = y.astype(jnp.float32) * wire[kind.index + 1][kind.row]
+            leaves.append(y.astype(kind.dtype))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 class RingPlan:
@@ -291,15 +354,34 @@ class RingPlan:
             shift(g, self.axis_name, self.num_shards, -o) for g, o in zip(groups, self.starts)
         )
 
+    def send(self, group, direction: int, axes, dtype, hold=()) -> tuple[list, tuple, PyTree]:
+        """Start the hop of one group (`self.directions[direction]`): `(wire, layouts,
+        hold)`, the arrays it delivers (`num_pieces / len(directions)` permutes per
+        array, floating arrays sent in `dtype`, records packed, see `encode`), what
+        `receive` needs to rebuild the group, and `hold` back.
+
+        `hold` passes through one optimization barrier with what is sent: the ring step
+        passes the kernel's inputs (and what it has computed so far), so that the
+        packing is done before the kernel and the permutes can start with it. The step
+        then holds the wire behind a second barrier with the kernel's results, so that
+        nothing but the kernel can be scheduled while the transfer is in flight."""
+        offset = self.directions[direction]
+        pieces = self._split(group, axes, self.num_pieces // len(self.directions))
+        sent, layouts = zip(*(encode(piece, dtype) for piece in pieces))
+        sent, hold = jax.lax.optimization_barrier((list(sent), hold))
+        wire = [shift(w, self.axis_name, self.num_shards, offset) for w in sent]
+        return wire, layouts, hold
+
+    def receive(self, wire: list, layouts: tuple, axes):
+        """The group one `send` delivers."""
+        return self._join([decode(w, layout) for w, layout in zip(wire, layouts)], axes)
+
     def step(self, groups: tuple, axes, dtype) -> tuple:
-        """One hop of every group in its direction, `num_pieces` permutes in all per
-        array, floating arrays sent in `dtype`."""
-        per_group = self.num_pieces // len(self.directions)
+        """One hop of every group in its direction (`send`, then `receive`)."""
         out = []
-        for g, d in zip(groups, self.directions):
-            pieces = self._split(g, axes, per_group)
-            moved = [shift_as(p, self.axis_name, self.num_shards, d, dtype) for p in pieces]
-            out.append(self._join(moved, axes))
+        for i, group in enumerate(groups):
+            wire, layouts, _ = self.send(group, i, axes, dtype)
+            out.append(self.receive(wire, layouts, axes))
         return tuple(out)
 
     def home(self, groups: tuple, axes):

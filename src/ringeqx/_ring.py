@@ -94,23 +94,32 @@ def _ring_forward(st: _Static, q, k, v, q_info, kv_info, mask, score_mod):
 
         return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
 
-    def compute_all(groups, o, lse):
-        for kv in groups:
-            o, lse = _merge(o, lse, *compute(kv))
-        return o, lse
-
     def step(carry, _):
         groups, o, lse = carry
-        # Send first so that the transfer can overlap the compute of this step.
-        nxt = plan.step(groups, axes, st.config.compression_dtype)
-        o, lse = compute_all(groups, o, lse)
-        return (nxt, o, lse), None
+        # Group by group (one per direction): the group's hop starts first, and nothing
+        # reads what it delivers before the barrier that also holds the group's kernel
+        # results, so the kernel is the only work the transfer can hide behind (the
+        # merges and the unpacking would otherwise do as cover). What is done so far
+        # passes through the next group's send barrier, so that it cannot cover either.
+        received = ()
+        rest = groups
+        for i in range(len(groups)):
+            wire, layouts, (rest, o, lse, received) = plan.send(
+                rest[0], i, axes, st.config.compression_dtype, (rest, o, lse, received)
+            )
+            new = compute(rest[0])
+            new, wire, rest = jax.lax.optimization_barrier((new, wire, rest[1:]))
+            o, lse = _merge(o, lse, *new)
+            received += (plan.receive(wire, layouts, axes),)
+        return (received, o, lse), None
 
     zero = jnp.zeros_like(q, jnp.float32)
     groups = plan.start((k, v, kv_info), axes)
     init = (groups, zero, zero[..., 0] - jnp.inf)
     (groups, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
-    return compute_all(groups, o, lse)
+    for kv in groups:
+        o, lse = _merge(o, lse, *compute(kv))
+    return o, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -149,31 +158,57 @@ def _ring_bwd(st: _Static, res, cts):
 
         return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
 
-    def compute_all(groups, accs, dq):
-        new = []
-        for kv, (dk, dv) in zip(groups, accs):
-            dq_s, dk_s, dv_s = compute(*kv)
-            new.append((dk + dk_s, dv + dv_s))
+    grad_dt = st.config.grad_compression_dtype
+    grad_dt = None if grad_dt == jnp.float32 else grad_dt
+
+    def hop(groups, accs, pending, dq, *, send_kv: bool, send_acc: bool):
+        """One step on the K/V `groups` held, group by group as in the forward. dK/dV
+        travel one step behind their K/V: what this device adds to the accumulator of
+        the previous step's block (`accs` received plus its `pending` part) leaves now,
+        so that neither transfer waits for this step's kernel and both hide behind it."""
+        out_groups, out_accs, out_pending = (), (), ()
+        rest = groups
+        for i in range(len(groups)):
+            done = (rest, dq, out_groups, out_accs, out_pending)
+            kv_wire, kv_layouts, acc_wire, acc_layouts = [], (), [], ()
+            if send_kv:
+                kv_wire, kv_layouts, done = plan.send(
+                    groups[i], i, axes, st.config.compression_dtype, done
+                )
+            if send_acc:
+                out = jax.tree.map(jnp.add, accs[i], pending[i])
+                acc_wire, acc_layouts, done = plan.send(out, i, acc_axes, grad_dt, done)
+            rest, dq, out_groups, out_accs, out_pending = done
+            held = rest[0]
+            new = compute(*held)
+            new, kv_wire, acc_wire, rest = jax.lax.optimization_barrier(
+                (new, kv_wire, acc_wire, rest[1:])
+            )
+            dq_s, dk, dv = new
             dq = dq + dq_s
-        return tuple(new), dq
+            out_pending += ((dk, dv),)
+            out_groups += (plan.receive(kv_wire, kv_layouts, axes) if send_kv else held,)
+            # Before any accumulator arrives (step 0), the device's own part is all.
+            out_accs += (
+                plan.receive(acc_wire, acc_layouts, acc_axes)
+                if send_acc
+                else (jnp.zeros_like(dk), jnp.zeros_like(dv)),
+            )
+        return out_groups, out_accs, out_pending, dq
 
-    def step(carry, _):
-        groups, accs, dq = carry
-        accs, dq = compute_all(groups, accs, dq)
-        # dK/dV travel with their K/V pieces (in `grad_compression_dtype`, float32 by
-        # default) and reach home after the ring.
-        groups = plan.step(groups, axes, st.config.compression_dtype)
-        grad_dt = st.config.grad_compression_dtype
-        accs = plan.step(accs, acc_axes, None if grad_dt == jnp.float32 else grad_dt)
-        return (groups, accs, dq), None
-
+    n = st.num_steps
     groups = plan.start((k, v, kv_info), axes)
-    accs = tuple(
-        (jnp.zeros_like(g[0], jnp.float32), jnp.zeros_like(g[1], jnp.float32)) for g in groups
-    )
-    init = (groups, accs, jnp.zeros_like(q, jnp.float32))
-    (groups, accs, dq), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
-    accs, dq = compute_all(groups, accs, dq)
+    state = hop(groups, None, None, jnp.zeros_like(q, jnp.float32), send_kv=n > 1, send_acc=False)
+    if n > 2:
+
+        def step(state, _):
+            return hop(*state, send_kv=True, send_acc=True), None
+
+        state, _ = jax.lax.scan(step, state, None, length=n - 2)
+    if n > 1:
+        state = hop(*state, send_kv=False, send_acc=True)
+    _, accs, pending, dq = state
+    accs = jax.tree.map(jnp.add, accs, pending)
     dk, dv = plan.home(accs, acc_axes)
     return (
         dq.astype(q.dtype),
