@@ -22,12 +22,13 @@ import ringeqx as rx
 from ringeqx._kernels._select import mesh_device_type
 
 
-def lowered_ring_grad(mesh, mask, *, seq, heads, kv_heads, head_dim, kernel="auto"):
+def lowered_ring_grad(mesh, mask, *, seq, heads, kv_heads, head_dim, kernel="auto", **ring):
     """`jax.jit(jax.grad(loss)).lower(...)` for bfloat16 `q [1, seq, heads, head_dim]`
-    and K/V with `kv_heads`, the loss the sum of `ring_attention`'s output."""
+    and K/V with `kv_heads`, the loss the sum of `ring_attention`'s output (`ring`: more
+    of its arguments, e.g. `score_mod`, `segment_ids`)."""
 
     def loss(q, k, v):
-        out = rx.ring_attention(q, k, v, mask=mask, mesh=mesh, kernel=kernel)
+        out = rx.ring_attention(q, k, v, mask=mask, mesh=mesh, kernel=kernel, **ring)
         return out.astype(jnp.float32).sum()
 
     spec = NamedSharding(mesh, P(None, "sequence"))

@@ -1,30 +1,50 @@
 """The ring's schedule on compile-only H100s, read with `ring_overlap`.
 
-Measured (benchmarks/RESULTS.md): XLA's GPU scheduler combines a step's permutes into one
-collective-permute; in the forward loop body it encloses the step's Triton kernel, in the
-backward body (K/V with the float32 dK/dV) it does not yet. This file asserts the forward
-property and that the backward's permute is found; making the backward's overlap is open.
+XLA's GPU scheduler combines a step's permutes into one collective-permute. Each ring
+step starts it before the step's Triton kernel (in the backward, the dK/dV of the
+previous step's blocks travel with the K/V, one step behind) and holds what it delivers
+behind an optimization barrier with the kernel's results, so in the forward and the
+backward loop bodies every permute must enclose a kernel.
 """
 
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from ring_programs import lowered_ring_grad
 
 import ringeqx as rx
 
 
-def test_forward_hop_encloses_its_kernel_on_h100():
-    mesh = rx.target_mesh("h100", 8)
-    seq = 8 * 4096
+PER_GPU = 4096
+SEQ = 8 * PER_GPU
+_SEGMENTS = jnp.asarray((np.arange(SEQ) // 3000)[None], jnp.int32)
+CASES = [
+    ("causal_d64", rx.Causal(), 64, {}),
+    (
+        "causal_document_alibi_fp8_wire_d128",
+        rx.Causal() & rx.Document(),
+        128,
+        {
+            "score_mod": rx.ALiBi(0.5 ** jnp.arange(1, 9, dtype=jnp.float32)),
+            "segment_ids": _SEGMENTS,
+            "config": rx.RingConfig(compression_dtype=jnp.float8_e4m3fn),
+        },
+    ),
+]
 
+
+@pytest.mark.parametrize("name, mask, head_dim, ring", CASES, ids=[c[0] for c in CASES])
+def test_every_ring_hop_encloses_a_kernel_on_h100(name, mask, head_dim, ring):
+    mesh = rx.target_mesh("h100", 8)
     lowered = lowered_ring_grad(
-        mesh, rx.Causal(), seq=seq, heads=8, kv_heads=2, head_dim=64
+        mesh, mask, seq=SEQ, heads=8, kv_heads=2, head_dim=head_dim, **ring
     )
-    compiled = lowered.compile()
-    report = rx.ring_overlap(compiled)
-    print(report)
-    forward = [p for p in report.permutes if p.direction == "forward"]
-    backward = [p for p in report.permutes if p.direction == "backward"]
-    kv_shape = ("bf16", (1, 2, 4096, 64))
-    assert forward and all(kv_shape in p.arrays for p in forward)
-    assert all(p.overlaps for p in forward)
-    # The backward carries the float32 dK/dV home with K/V.
-    assert any(("f32", (1, 2, 4096, 64)) in p.arrays for p in backward)
+    report = rx.ring_overlap(lowered.compile())
+    print(name, report, sep="\n")
+    assert {p.direction for p in report.permutes} == {"forward", "backward"}, str(report)
+    # The backward's hop carries the float32 dK/dV with K/V.
+    assert any(
+        p.direction == "backward" and ("f32", (1, 2, PER_GPU, head_dim)) in p.arrays
+        for p in report.permutes
+    ), str(report)
+    assert report.all_overlap, str(report)

@@ -2,7 +2,8 @@
 
 Runs the real TPU compiler (libtpu) on compile-only devices (`ringeqx.target_mesh`), so
 it needs `jax[tpu]` but no TPU. Prints the compile time, per-chip memory, whether the
-scheduled HLO gathers anything and how many Mosaic kernels it calls.
+scheduled HLO gathers anything, how many Mosaic kernels it calls and how many of the
+ring's permutes enclose one (`ringeqx.ring_overlap`).
 
     python benchmarks/aot_long_context.py --target v5p:4x4x4 --seq-len 1048576
 """
@@ -63,6 +64,9 @@ def main() -> None:
     print(f"all-gather in HLO: {'all-gather' in text}")
     mosaic = text.count('custom_call_target="tpu_custom_call"')
     print(f"Mosaic custom calls: {mosaic}")
+    report = rx.ring_overlap(text)
+    enclosing = sum(p.overlaps for p in report.permutes)
+    print(f"ring permutes enclosing a kernel: {enclosing} of {len(report.permutes)}")
 
 
 if __name__ == "__main__":
