@@ -33,6 +33,11 @@ def _vjp_all(fns, q, k, v):
     def run(q, k, v, ct):
         results = []
         for fn in fns:
+            # One ring after the other: XLA's CPU runtime runs independent collectives
+            # concurrently, and with more rings than its thread pool has threads, a
+            # device's permute can wait for a thread that another ring's blocked
+            # rendezvous holds (measured: a deadlock on 2 cores).
+            q, k, v, ct = jax.lax.optimization_barrier((q, k, v, ct, results))[:4]
             out, vjp = jax.vjp(fn, q, k, v)
             results.append((out, vjp(ct)))
         return results
