@@ -246,6 +246,8 @@ class _Leaf(NamedTuple):
     wire_dtype: jnp.dtype | None = None
     row: int = 0
     scaled: bool = False
+    # A TokenInfo's static `runs` claim, which holds for every shard alike.
+    runs: object = None
 
 
 def _is_records(x) -> bool:
@@ -270,7 +272,7 @@ def encode(tree: PyTree, dtype) -> tuple[list, tuple]:
         if _is_records(x):
             ints = jnp.result_type(x.positions, x.segments, x.spans)
             parts = (x.positions, x.segments, x.spans, x.valid)
-            kinds[i] = _Leaf("records", len(wire), jnp.dtype(ints))
+            kinds[i] = _Leaf("records", len(wire), jnp.dtype(ints), runs=x.runs)
             wire.append(jnp.stack([a.astype(ints) for a in parts]))
             continue
         bits, scale = _pack(x, dtype)
@@ -298,7 +300,7 @@ def decode(wire: list, layout: tuple) -> PyTree:
     for kind in kinds:
         w = wire[kind.index]
         if kind.kind == "records":
-            leaves.append(TokenInfo(w[0], w[1], w[2], w[3] != 0))
+            leaves.append(TokenInfo(w[0], w[1], w[2], w[3] != 0, kind.runs))
         elif kind.kind == "as_is":
             leaves.append(w)
         else:
