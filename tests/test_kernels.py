@@ -393,8 +393,9 @@ def test_auto_on_cpu_is_xla():
 
 
 def test_interpret_selects_pallas_anywhere():
+    # PallasGpuKernel's tiles default to its tuned table (None), chosen per call.
     assert rx.select_kernel("auto", "gpu", interpret=True) == rx.PallasGpuKernel(
-        block_q=128, block_kv=64, interpret=True
+        interpret=True
     )
     assert rx.select_kernel("auto", "tpu", interpret=True) == rx.PallasTpuKernel(
         block_q=512, block_kv=1024, interpret=True
@@ -704,7 +705,14 @@ def test_user_kernel_tiles():
     assert isinstance(best, _DelegateTiles) and (best.block_q, best.block_kv) in timings
     # The defaults of the package's kernels are theirs too.
     assert (512, 1024) in rx.PallasTpuKernel().tile_candidates()
-    assert (128, 64) in rx.PallasGpuKernel().tile_candidates()
+    gpu = rx.PallasGpuKernel()
+    for kind in ("forward", "dq", "dkv"):
+        for dtype, head_dim in ((jnp.bfloat16, 64), (jnp.float16, 256), (jnp.float32, 128)):
+            assert gpu.launch(kind, dtype, head_dim)[:2] in gpu.tile_candidates()
+    # A field that is set is used; the others come from the table.
+    assert rx.PallasGpuKernel(block_kv=128).launch("dkv", jnp.bfloat16, 128) == (
+        32, 128, 8, 2
+    )
     assert (256, 256) in rx.XlaKernel().tile_candidates()
 
 

@@ -2,7 +2,8 @@
 backward."""
 
 import functools
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -19,6 +20,57 @@ from ._base import AbstractAttentionKernel
 
 
 _DTYPES = ("float16", "bfloat16", "float32")
+
+Kind = Literal["forward", "dq", "dkv"]
+
+
+class _Launch(NamedTuple):
+    """The tiles and Triton launch parameters of one kernel call."""
+
+    block_q: int
+    block_kv: int
+    num_warps: int
+    num_stages: int
+
+
+def _kinds(
+    forward: _Launch, dq: _Launch, dkv: _Launch
+) -> "MappingProxyType[Kind, _Launch]":
+    return MappingProxyType({"forward": forward, "dq": dq, "dkv": dkv})
+
+
+_L = _Launch
+# The default `(block_q, block_kv, num_warps, num_stages)` per (bits of the dtype,
+# head_dim) and kernel, read from ptxas on what XLA compiles for A100 (sm_80) and H100
+# (sm_90) (`aot/test_gpu_matrix.py`; the sweep is in benchmarks/RESULTS.md). For 16 bits:
+# the largest tiles with which no kernel spills on either, under the heaviest mask and
+# modifier (`Causal() & Document()` with ALiBi, GQA 4:1 and 1:1) and eight other
+# mask/modifier pairs; between equal areas, the one with registers to spare (at head_dim
+# 256 the forward's 64 x 16 uses all 255 on A100 and spills 4 bytes in float16 under
+# `SlidingWindow` with `Softcap`; 32 x 32 uses 182 at most). Eight warps throughout:
+# with four most of these tiles spill or use all 255 registers, sixteen cap a thread at
+# 128 and spill; ptxas reports the same registers and spills for 1, 2 and 3 stages. In
+# dK/dV `block_kv` is the tile a program holds (two float32 accumulators of it) and
+# `block_q` the one it loops over; A100 spills there with key tiles above 32 at head_dim
+# 64. Head dims below 64 take 64's row.
+_TUNED = MappingProxyType(
+    {
+        (16, 64): _kinds(_L(128, 32, 8, 2), _L(128, 32, 8, 2), _L(64, 32, 8, 2)),
+        (16, 128): _kinds(_L(64, 64, 8, 2), _L(64, 32, 8, 2), _L(32, 64, 8, 2)),
+        (16, 256): _kinds(_L(32, 32, 8, 2), _L(32, 32, 8, 2), _L(16, 32, 8, 2)),
+        # float32: the tiles that spill least of those tried. dK/dV still spills: up to
+        # about 3 KB at head_dim 256 (every tile tried spills there; 32 x 16 spills
+        # 500 bytes under the heavy mask but 10 KB under plain Causal), and up to about
+        # 100 bytes at 64 and 128.
+        (32, 64): _kinds(_L(64, 32, 8, 2), _L(32, 64, 8, 2), _L(64, 32, 8, 2)),
+        (32, 128): _kinds(_L(64, 32, 8, 2), _L(32, 64, 8, 2), _L(32, 32, 8, 2)),
+        (32, 256): _kinds(_L(32, 32, 8, 2), _L(32, 32, 8, 2), _L(16, 16, 8, 2)),
+    }
+)
+# Tiles for `tune_block_sizes` to try: the tuned ones.
+_CANDIDATES = sorted(
+    {(x.block_q, x.block_kv) for kinds in _TUNED.values() for x in kinds.values()}
+)
 
 
 def _power_of_two(x: int) -> bool:
@@ -243,6 +295,18 @@ def _key_grid_specs(t: common.Tiling, ops: common.Operands, steps: int) -> list[
     ]
 
 
+def _backward_inputs(
+    t: common.Tiling, q, k, v, d_out, lse, delta, q_info: TokenInfo, kv_info: TokenInfo
+) -> tuple[Array, ...]:
+    """The backward kernels' inputs `(Q, K, V, dO, lse, delta, Q records, K records)`,
+    padded to the tiles of `t`."""
+    qp, kp, vp = common.pad_qkv(t, q, k, v)
+    dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
+    q_rec = tiles.records(q_info, t.q_padded)
+    k_rec = tiles.records(kv_info, t.kv_padded)
+    return qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec
+
+
 def _forward_call(
     t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
 ) -> tuple[Array, Array]:
@@ -349,12 +413,39 @@ class PallasGpuKernel(AbstractAttentionKernel):
     program can be exported for `"cuda"` with `jax.export`; lowering it for any other
     platform is an error that names the platform.
 
+    **Tiles.** A Triton program keeps its tiles in registers, and one that does not fit
+    spills them to local memory (through L1/L2). By default (fields left None)
+    each kernel takes its tiles and warps from a table by dtype and head_dim, measured
+    with `ptxas` on what XLA compiles for A100 (sm_80) and H100 (sm_90)
+    (`aot/test_gpu_matrix.py`): for bfloat16 and float16 the largest tiles with which
+    no kernel spills a register, under the heaviest mask and modifier
+    (`Causal() & Document()` with ALiBi), GQA 4:1 and 1:1. `block_q x block_kv`, all
+    with 8 warps and 2 stages:
+
+    | dtype | head_dim | forward | dQ | dK/dV |
+    |---|---|---|---|---|
+    | 16-bit | <= 64 | 128 x 32 | 128 x 32 | 64 x 32 |
+    | 16-bit | 128 | 64 x 64 | 64 x 32 | 32 x 64 |
+    | 16-bit | 256 | 32 x 32 | 32 x 32 | 16 x 32 |
+    | float32 | <= 64 | 64 x 32 | 32 x 64 | 64 x 32 |
+    | float32 | 128 | 64 x 32 | 32 x 64 | 32 x 32 |
+    | float32 | 256 | 32 x 32 | 32 x 32 | 16 x 16 |
+
+    float32 takes the tiles that spill least of those tried; its dK/dV still spills,
+    up to about 3 KB at head_dim 256 (with every tile tried) and 100 bytes below.
+
+    The dK/dV program holds its key tile (`block_kv`, with two float32 accumulators of
+    it) and loops over query tiles; the forward and dQ programs hold a query tile. A
+    field that is set is used for all three kernels, the others still come from the
+    table: `PallasGpuKernel(block_q=64, block_kv=64)` keeps the table's warps.
+    `launch(kind, dtype, head_dim)` says what a kernel will use.
+
     **Arguments:**
 
-    - `block_q`, `block_kv`: tile sizes (static), powers of two >= 16. Sequences are
-        padded to whole tiles, the padding masked.
-    - `num_warps`, `num_stages`: Triton launch parameters (None: 4 warps for head_dim
-        <= 64, else 8; 2 stages).
+    - `block_q`, `block_kv`: tile sizes (static), powers of two >= 16, or None (the
+        table). Sequences are padded to whole tiles, the padding masked; a tile longer
+        than a sequence shrinks to it.
+    - `num_warps`, `num_stages`: Triton launch parameters, or None (the table).
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
     Supports float16, bfloat16 and float32 and head_dim a power of two from 16 to 256,
@@ -373,19 +464,22 @@ class PallasGpuKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=128)
-    block_kv: int = eqx.field(static=True, default=64)
+    block_q: int | None = eqx.field(static=True, default=None)
+    block_kv: int | None = eqx.field(static=True, default=None)
     num_warps: int | None = eqx.field(static=True, default=None)
-    num_stages: int = eqx.field(static=True, default=2)
+    num_stages: int | None = eqx.field(static=True, default=None)
     interpret: bool = eqx.field(static=True, default=False)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
-        # A Triton program holds its score tile in registers: small tiles.
-        return [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)]
+        # A Triton program holds its score tile in registers: small tiles (the tuned
+        # ones, see `_TUNED`).
+        return list(_CANDIDATES)
 
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not isinstance(value, int) or value < 16 or not _power_of_two(value):
                 raise ValueError(
                     f"PallasGpuKernel `{name}` must be a power of two >= 16 (Triton "
@@ -413,16 +507,28 @@ class PallasGpuKernel(AbstractAttentionKernel):
             q, "PallasGpuKernel", ("cuda", "rocm"), "GPU", "Triton"
         )
 
-    def _params(self, head_dim: int):
-        warps = self.num_warps
-        if warps is None:
-            warps = 4 if head_dim <= 64 else 8
-        return plgpu.CompilerParams(num_warps=warps, num_stages=self.num_stages)
+    def launch(self, kind: Kind, dtype: Any, head_dim: int) -> tuple[int, int, int, int]:
+        """`(block_q, block_kv, num_warps, num_stages)` of the `kind` kernel
+        (`"forward"`, `"dq"` or `"dkv"`) on inputs of `dtype` and `head_dim`: this
+        kernel's fields, each None taken from the tuned table (tiles then shrink to a
+        shorter sequence). `dtype` is float16, bfloat16 or float32."""
+        bits = 8 * jnp.dtype(dtype).itemsize
+        # Head dims below 64 hold less per thread than 64 does: its tiles fit them too.
+        tuned = _TUNED[bits, max(head_dim, 64)][kind]
+        mine = (self.block_q, self.block_kv, self.num_warps, self.num_stages)
+        block_q, block_kv, warps, stages = (
+            t if m is None else m for m, t in zip(mine, tuned)
+        )
+        return block_q, block_kv, warps, stages
 
-    def _tiling(self, q: Array, k: Array) -> common.Tiling:
-        block_q = _block(self.block_q, q.shape[2])
-        block_kv = _block(self.block_kv, k.shape[2])
-        return common.tiling(q, k, block_q, block_kv)
+    def _launch(self, kind: Kind, q: Array, k: Array) -> tuple[common.Tiling, Any]:
+        """The tiling (tiles shrunk to short sequences) and the Triton parameters of
+        the `kind` kernel on `q` and `k`."""
+        block_q, block_kv, warps, stages = self.launch(kind, q.dtype, q.shape[-1])
+        t = common.tiling(
+            q, k, _block(block_q, q.shape[2]), _block(block_kv, k.shape[2])
+        )
+        return t, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
     def forward(
         self,
@@ -439,7 +545,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
-            t = self._tiling(q, k)
+            t, params = self._launch("forward", q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
             run = _run_table(table)
@@ -449,7 +555,6 @@ class PallasGpuKernel(AbstractAttentionKernel):
                 tiles.records(kv_info, t.kv_padded),
                 run,
             )
-            params = self._params(t.head_dim)
             out, lse = _forward_call(t, ops, inputs, params, self.interpret)
             return out[:, :, : t.q_len], lse[:, :, : t.q_len]
 
@@ -473,17 +578,18 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ]:
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
-            t = self._tiling(q, k)
+            # dQ and dK/dV each run on their own tiles (the dK/dV program holds two
+            # accumulators of its key tile), so each pads the inputs to its tiles and
+            # reads its own tile table.
+            t, params = self._launch("dq", q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            qp, kp, vp = common.pad_qkv(t, q, k, v)
-            dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
-            q_rec = tiles.records(q_info, t.q_padded)
-            k_rec = tiles.records(kv_info, t.kv_padded)
-            inputs = (qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec)
-            params = self._params(t.head_dim)
-            run_q = _run_table(table)
-            run_k = _run_table(jnp.swapaxes(table, 1, 2))
-            dq = _dq_call(t, ops, (*inputs, run_q), params, self.interpret)
-            dk, dv = _dkv_call(t, ops, (*inputs, run_k), params, self.interpret)
+            inputs = _backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
+            dq = _dq_call(t, ops, (*inputs, _run_table(table)), params, self.interpret)
+            t, params = self._launch("dkv", q, k)
+            table, local = common.tile_mask(t, mask, q_info, kv_info)
+            ops = common.operands(table, local, score_mod, t.heads, scale)
+            inputs = _backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
+            run = _run_table(jnp.swapaxes(table, 1, 2))
+            dk, dv = _dkv_call(t, ops, (*inputs, run), params, self.interpret)
             return common.trim_grads(t, dq, dk, dv)

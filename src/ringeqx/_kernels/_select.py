@@ -15,12 +15,12 @@ DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
 
 # Default tiles `(block_q, block_kv)` per kernel and device. XLA and Mosaic want big
 # tiles (fewer loop steps; a TPU tile of 512 x 1024 float32 scores is 2 MiB of VMEM).
-# A Triton program keeps its tile of scores in registers, so 128 x 64 is its size.
+# A Triton program keeps its tile of scores in registers: `PallasGpuKernel()` picks its
+# tiles per dtype, head_dim and kernel from a table tuned so that none spills.
 _BLOCKS = {
     ("xla", "cpu"): (256, 256),
     ("xla", "gpu"): (512, 1024),
     ("xla", "tpu"): (512, 1024),
-    ("pallas_gpu", "gpu"): (128, 64),
     ("pallas_tpu", "tpu"): (512, 1024),
 }
 
@@ -121,10 +121,7 @@ def _by_name(kernel: str, device: str, interpret: bool) -> AbstractAttentionKern
             return XlaKernel(block_q=block_q, block_kv=block_kv)
         case "pallas_gpu":
             _pallas_device(kernel, "gpu", device, interpret)
-            block_q, block_kv = _BLOCKS["pallas_gpu", "gpu"]
-            return PallasGpuKernel(
-                block_q=block_q, block_kv=block_kv, interpret=interpret
-            )
+            return PallasGpuKernel(interpret=interpret)
         case "pallas_tpu":
             _pallas_device(kernel, "tpu", device, interpret)
             block_q, block_kv = _BLOCKS["pallas_tpu", "tpu"]
@@ -161,8 +158,9 @@ def select_kernel(
     without any mesh is it JAX's default backend.
 
     Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
-    the CPU, 512 x 1024 for XLA and Mosaic on accelerators, 128 x 64 for Triton, whose
-    score tile lives in registers); [`ringeqx.tune_block_sizes`][] measures better ones.
+    the CPU, 512 x 1024 for XLA and Mosaic on accelerators; Triton, whose score tile
+    lives in registers, its table of tiles per dtype, head_dim and kernel, chosen so
+    that no 16-bit kernel spills); [`ringeqx.tune_block_sizes`][] measures better ones.
     Nothing falls back silently: a device that JAX does not have, or a Pallas kernel
     away from its device without `interpret=True`, is an error. What a kernel cannot run
     (a dtype, a head_dim) is an error when it is traced.
