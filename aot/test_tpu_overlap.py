@@ -30,7 +30,10 @@ CASES = [
         "causal_document_alibi_d64",
         rx.Causal() & rx.Document(),
         64,
-        {"score_mod": rx.ALiBi(0.5 ** jnp.arange(1, 9, dtype=jnp.float32)), "segment_ids": _SEGMENTS},
+        {
+            "score_mod": rx.ALiBi(0.5 ** jnp.arange(1, 9, dtype=jnp.float32)),
+            "segment_ids": _SEGMENTS,
+        },
     ),
     ("prefix_lm_d64", rx.PrefixLM(1000), 64, {}),
     # Scaled float8 wires both ways: K/V bits, their scales and the records, then dK/dV

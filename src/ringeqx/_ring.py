@@ -132,10 +132,27 @@ def _ring_fwd(st, q, k, v, q_info, kv_info, mask, score_mod):
     return (out, lse), (q, k, v, q_info, kv_info, mask, score_mod, out, lse)
 
 
+def _backward_block(st: _Static, q, lse, delta, d_out, q_info, mask, score_mod, k, v, kv_info):
+    """dQ, dK, dV of one block (zeros where the mask rules the whole block out)."""
+
+    def run(_):
+        return st.kernel.backward(
+            q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, st.scale
+        )
+
+    def skip(_):
+        return (
+            jnp.zeros_like(q, jnp.float32),
+            jnp.zeros_like(k, jnp.float32),
+            jnp.zeros_like(v, jnp.float32),
+        )
+
+    return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
+
+
 def _ring_bwd(st: _Static, res, cts):
     q, k, v, q_info, kv_info, mask, score_mod, out, lse = res
     d_out, d_lse = cts
-    kernel = st.kernel
     plan = st.plan(k.shape[2])
     axes = _kv_axes(kv_info)
     acc_axes = (2, 2)
@@ -143,21 +160,9 @@ def _ring_bwd(st: _Static, res, cts):
     delta = jnp.sum(d_out * out, axis=-1) - d_lse
     d_out = d_out.astype(q.dtype)
 
-    def compute(k, v, kv_info):
-        def run(_):
-            return kernel.backward(
-                q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, st.scale
-            )
-
-        def skip(_):
-            return (
-                jnp.zeros_like(q, jnp.float32),
-                jnp.zeros_like(k, jnp.float32),
-                jnp.zeros_like(v, jnp.float32),
-            )
-
-        return jax.lax.cond(_may_attend(mask, q_info, kv_info), run, skip, None)
-
+    compute = functools.partial(
+        _backward_block, st, q, lse, delta, d_out, q_info, mask, score_mod
+    )
     grad_dt = st.config.grad_compression_dtype
     grad_dt = None if grad_dt == jnp.float32 else grad_dt
 
