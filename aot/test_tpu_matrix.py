@@ -126,13 +126,19 @@ def test_kernels_every_mask_modifier_dtype_head_dim_and_gqa(target):
 # ----------------------------------------------------------------------------------
 # The whole ring, forward and `jax.grad`, on 4 chips.
 
-# The ring leaves out BLOCK_SPARSE for now: its kernels compile above, but the ring with
-# them was not yet measured in time (a v5e ring program of every mask took 37 min).
+# The ring leaves out BLOCK_SPARSE (measured, benchmarks/block_sparse_compile.py): the
+# kernels give each pair of tiles the window of the map their positions can meet, packed
+# into words that each cost a select per pair of tokens, and helpers' maps of 4- and
+# 5-token blocks are ~1000 and ~700 words a tile at Mosaic's default 512 x 1024 tiles. One
+# ring with block_size 4 does not compile in 10 min (v5e and v5p alike: ~2 s CPU a word,
+# block_size 8's 263 words took 9 min); a ring program of every mask took 37 min for
+# v5e. Its kernels compile above on 300 tokens and 128 x 128 tiles (~35 words).
 RING_MASKS = ring_masks(leave_out=BLOCK_SPARSE)
 
 
-# v5p only: the same program for v5e compiled for 37 minutes (not yet understood).
-@pytest.mark.parametrize("target", ["v5p"])
+# v5e and v5p: the cores differ (v5e one TensorCore with 128 x 128 MXUs, v5p a megacore);
+# ~2 min each for the 11 cases (~10 s of CPU a case, linear in the cases).
+@pytest.mark.parametrize("target", ["v5e", "v5p"])
 def test_ring_forward_and_grad_every_mask(target):
     """Every mask once; modifiers, sinks, shapes, layouts and wires rotate round them
     (`kernel="auto"`: the mesh's TPUs pick PallasTpuKernel)."""
