@@ -250,10 +250,11 @@ def test_ring_forward_and_grad_lower(kernel, platform):
     ]
     text = _export(program, platform, *args, mesh=mesh)
     # The ring: K/V (and in the backward the float32 dK/dV) pass between devices, K/V
-    # (float32 inputs) as 16 bits (bfloat16, sent bitcast to uint16).
+    # (float32 inputs) as 16 bits (bfloat16, sent bitcast to uint16, K and V stacked
+    # into one array).
     permutes = [line for line in text.splitlines() if "collective_permute" in line]
-    kv = f"<1x{kv_heads}x{seq // 8}x{head_dim}x"
-    assert any(kv + "ui16>" in line or kv + "bf16>" in line for line in permutes)
+    kv = f"<2x1x{kv_heads}x{seq // 8}x{head_dim}xui16>"
+    assert any(kv in line for line in permutes)
     pallas = _custom_calls(text, target)
     if isinstance(kernel, rx.XlaKernel):
         assert pallas == 0
