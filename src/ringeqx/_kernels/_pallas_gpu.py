@@ -59,9 +59,9 @@ _TUNED = MappingProxyType(
         (16, 128): _kinds(_L(64, 64, 8, 2), _L(64, 32, 8, 2), _L(32, 64, 8, 2)),
         (16, 256): _kinds(_L(32, 32, 8, 2), _L(32, 32, 8, 2), _L(16, 32, 8, 2)),
         # float32: the tiles that spill least of those tried. dK/dV still spills: up to
-        # about 3 KB at head_dim 256 (every tile tried spills there; 32 x 16 spills
-        # 500 bytes under the heavy mask but 10 KB under plain Causal), and up to about
-        # 100 bytes at 64 and 128.
+        # 3.3 KB at head_dim 256 (every tile tried spills there; 32 x 16 spills 500
+        # bytes under the heavy mask but 10 KB under plain Causal), and up to 108 bytes
+        # at 64 and 128.
         (32, 64): _kinds(_L(64, 32, 8, 2), _L(32, 64, 8, 2), _L(64, 32, 8, 2)),
         (32, 128): _kinds(_L(64, 32, 8, 2), _L(32, 64, 8, 2), _L(32, 32, 8, 2)),
         (32, 256): _kinds(_L(32, 32, 8, 2), _L(32, 32, 8, 2), _L(16, 16, 8, 2)),
@@ -432,7 +432,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
     | float32 | 256 | 32 x 32 | 32 x 32 | 16 x 16 |
 
     float32 takes the tiles that spill least of those tried; its dK/dV still spills,
-    up to about 3 KB at head_dim 256 (with every tile tried) and 100 bytes below.
+    up to 3.3 KB at head_dim 256 (with every tile tried) and 108 bytes below.
 
     The dK/dV program holds its key tile (`block_kv`, with two float32 accumulators of
     it) and loops over query tiles; the forward and dQ programs hold a query tile. A
