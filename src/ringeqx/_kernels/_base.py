@@ -25,12 +25,12 @@ class AbstractAttentionKernel(eqx.Module):
 
     Every kernel works in `block_q x block_kv` tiles (static fields of the concrete
     kernel), which [`ringeqx.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
-    tunes; `interpret` is a static field of the Pallas kernels. A tile of None is
-    chosen per call (`PallasGpuKernel`'s tuned table, by dtype and head_dim).
+    tunes; `interpret` is a static field of the Pallas kernels. `PallasGpuKernel`'s
+    tiles may be None: chosen per call from its tuned table, by dtype and head_dim.
     """
 
-    block_q: eqx.AbstractVar[int | None]
-    block_kv: eqx.AbstractVar[int | None]
+    block_q: eqx.AbstractVar[int]
+    block_kv: eqx.AbstractVar[int]
 
     @abc.abstractmethod
     def tile_candidates(self) -> list[tuple[int, int]]:

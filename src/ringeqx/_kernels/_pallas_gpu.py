@@ -464,8 +464,9 @@ class PallasGpuKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int | None = eqx.field(static=True, default=None)
-    block_kv: int | None = eqx.field(static=True, default=None)
+    # None is the tuned table; the base declares `int`, which these widen.
+    block_q: int | None = eqx.field(static=True, default=None)  # pyright: ignore
+    block_kv: int | None = eqx.field(static=True, default=None)  # pyright: ignore
     num_warps: int | None = eqx.field(static=True, default=None)
     num_stages: int | None = eqx.field(static=True, default=None)
     interpret: bool = eqx.field(static=True, default=False)
