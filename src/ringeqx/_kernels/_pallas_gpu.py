@@ -417,10 +417,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
     spills them to local memory (through L1/L2). By default (fields left None)
     each kernel takes its tiles and warps from a table by dtype and head_dim, measured
     with `ptxas` on what XLA compiles for A100 (sm_80) and H100 (sm_90)
-    (`aot/test_gpu_matrix.py`): for bfloat16 and float16 the largest tiles with which
-    no kernel spills a register, under the heaviest mask and modifier
-    (`Causal() & Document()` with ALiBi), GQA 4:1 and 1:1. `block_q x block_kv`, all
-    with 8 warps and 2 stages:
+    (`aot/test_gpu_matrix.py`): for bfloat16 and float16 the largest tiles tried with
+    which no kernel spills a register on either, under the heaviest mask and modifier
+    (`Causal() & Document()` with ALiBi, GQA 4:1 and 1:1) and eight other pairs, with
+    registers to spare where two tiles tie. `block_q x block_kv`, all with 8 warps and
+    2 stages:
 
     | dtype | head_dim | forward | dQ | dK/dV |
     |---|---|---|---|---|
