@@ -222,18 +222,6 @@ def _pack(x, dt):
     return jax.lax.bitcast_convert_type(y, bits), scale
 
 
-def shift_compressed(tree: PyTree, axis_name: str, num_shards: int, config: RingConfig) -> PyTree:
-    """`shift(tree, +1)`, with floating arrays sent in `config.compression_dtype` (kept
-    with its old signature for callers outside the ring's step code)."""
-    return shift_as(tree, axis_name, num_shards, 1, config.compression_dtype)
-
-
-def shift_as(tree: PyTree, axis_name: str, num_shards: int, offset: int, dtype) -> PyTree:
-    """`shift(tree, offset)`, with floating arrays sent in `dtype` (None: as they are)."""
-    wire, layout = encode(tree, dtype)
-    return decode(shift(wire, axis_name, num_shards, offset), layout)
-
-
 class _Leaf(NamedTuple):
     """Where one leaf travels in the wire: `kind` `"records"` (a TokenInfo packed into
     one integer array, wire array `index`), `"packed"` (floating bits in `wire_dtype`,
@@ -254,16 +242,18 @@ def _is_records(x) -> bool:
     return isinstance(x, TokenInfo)
 
 
-def encode(tree: PyTree, dtype) -> tuple[list, tuple]:
-    """`tree` -> `(wire, layout)`: the arrays that travel and the static layout `decode`
+def to_wire(tree: PyTree, dtype) -> tuple[list, tuple]:
+    """`tree` -> `(wire, layout)`: the arrays that travel and the static layout `from_wire`
     rebuilds `tree` from. As few arrays as possible travel, because XLA's TPU scheduler
     keeps at most five permutes in flight over a kernel (measured): a TokenInfo goes as
     one `[4, *shape]` integer array, and floating leaves compressed to `dtype` as the
     raw bits of one stacked array per shape (and one stacked array of their scales,
     where the dtype needs one); stacking costs nothing there, since the cast writes them
-    anyway. Uncompressed leaves go as they are. `RingPlan.send` puts the wire behind an
-    optimization barrier, so that XLA can neither split a stacked array into several
-    permutes nor move the cast past the transfer."""
+    anyway. Uncompressed leaves go as they are. The cost: all four record rows travel
+    even when the mask reads fewer (16 bytes a token, against K/V's `4 kv_heads
+    head_dim` at bfloat16), where separate arrays let XLA drop the unread ones.
+    `RingPlan.send` puts the wire behind an optimization barrier, so that XLA can neither
+    split a stacked array into several permutes nor move the cast past the transfer."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_records)
     wire: list = []
     kinds: list = [None] * len(leaves)
@@ -293,8 +283,8 @@ def encode(tree: PyTree, dtype) -> tuple[list, tuple]:
     return wire, (treedef, tuple(kinds))
 
 
-def decode(wire: list, layout: tuple) -> PyTree:
-    """The inverse of `encode`, on the arrays received."""
+def from_wire(wire: list, layout: tuple) -> PyTree:
+    """The inverse of `to_wire`, on the arrays received."""
     treedef, kinds = layout
     leaves = []
     for kind in kinds:
@@ -350,16 +340,19 @@ class RingPlan:
         return jax.tree.map(lambda a, *ps: jnp.concatenate(ps, axis=a), axes, *pieces)
 
     def start(self, tree, axes) -> tuple:
-        """The device's own shard -> the groups it holds at step 0."""
+        """The device's own shard -> the groups it holds at step 0 (sent as the steps
+        send, records packed)."""
         groups = self._split(tree, axes, len(self.directions))
-        return tuple(
-            shift(g, self.axis_name, self.num_shards, -o) for g, o in zip(groups, self.starts)
-        )
+        out = []
+        for g, o in zip(groups, self.starts):
+            wire, layout = to_wire(g, None)
+            out.append(from_wire(shift(wire, self.axis_name, self.num_shards, -o), layout))
+        return tuple(out)
 
-    def send(self, group, direction: int, axes, dtype, hold=()) -> tuple[list, tuple, PyTree]:
-        """Start the hop of one group (`self.directions[direction]`): `(wire, layouts,
-        hold)`, the arrays it delivers (`num_pieces / len(directions)` permutes per
-        array, floating arrays sent in `dtype`, records packed, see `encode`), what
+    def send(self, group, index: int, axes, dtype, hold=()) -> tuple[list, tuple, PyTree]:
+        """Start the hop of group `index` (direction `self.directions[index]`): `(wire,
+        layouts, hold)`, the arrays it delivers (`num_pieces / len(directions)` permutes per
+        array, floating arrays sent in `dtype`, records packed, see `to_wire`), what
         `receive` needs to rebuild the group, and `hold` back.
 
         `hold` passes through one optimization barrier with what is sent: the ring step
@@ -367,24 +360,16 @@ class RingPlan:
         packing is done before the kernel and the permutes can start with it. The step
         then holds the wire behind a second barrier with the kernel's results, so that
         nothing but the kernel can be scheduled while the transfer is in flight."""
-        offset = self.directions[direction]
+        offset = self.directions[index]
         pieces = self._split(group, axes, self.num_pieces // len(self.directions))
-        sent, layouts = zip(*(encode(piece, dtype) for piece in pieces))
+        sent, layouts = zip(*(to_wire(piece, dtype) for piece in pieces))
         sent, hold = jax.lax.optimization_barrier((list(sent), hold))
         wire = [shift(w, self.axis_name, self.num_shards, offset) for w in sent]
         return wire, layouts, hold
 
     def receive(self, wire: list, layouts: tuple, axes):
         """The group one `send` delivers."""
-        return self._join([decode(w, layout) for w, layout in zip(wire, layouts)], axes)
-
-    def step(self, groups: tuple, axes, dtype) -> tuple:
-        """One hop of every group in its direction (`send`, then `receive`)."""
-        out = []
-        for i, group in enumerate(groups):
-            wire, layouts, _ = self.send(group, i, axes, dtype)
-            out.append(self.receive(wire, layouts, axes))
-        return tuple(out)
+        return self._join([from_wire(w, layout) for w, layout in zip(wire, layouts)], axes)
 
     def home(self, groups: tuple, axes):
         """After the last step, send each group to the device that owns it (float32, one

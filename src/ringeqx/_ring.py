@@ -178,7 +178,7 @@ def _ring_bwd(st: _Static, res, cts):
             kv_wire, kv_layouts, acc_wire, acc_layouts = [], (), [], ()
             if send_kv:
                 kv_wire, kv_layouts, done = plan.send(
-                    groups[i], i, axes, st.config.compression_dtype, done
+                    rest[0], i, axes, st.config.compression_dtype, done
                 )
             if send_acc:
                 out = jax.tree.map(jnp.add, accs[i], pending[i])
