@@ -180,3 +180,11 @@ def assert_close(a, b, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(
         np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol
     )
+
+
+def ring_loop_trips(steps: int) -> list[int]:
+    """The trip counts of one ring call's permute loops in a compiled forward + backward,
+    for a ring of `steps` steps: the forward loops over `steps - 1` hops, the backward
+    over `steps - 2` (its first step, before any dK/dV travel, and its last, which sends
+    no K/V, run outside the loop); XLA unrolls a loop of one trip."""
+    return [n for n in (steps - 1, steps - 2) if n > 1]

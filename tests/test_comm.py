@@ -686,11 +686,11 @@ def test_masked_out_shard_offsets_are_never_sent():
     _, _, trips = rx.permute_stats(compiled.as_text())
     assert max(trips) == p - 1 and sorted(trips)[-3] < p - 1
 
-    # Forward permutes per call: one per hop of K, V, `valid` and each record the mask
-    # reads (positions for Causal, segments for Document); hops: num_steps - 1, plus
-    # the first one ahead when num_ahead > 0. The full ring: p - 1 hops.
+    # Forward permutes per call: one per hop of K, V and the records (packed into one
+    # array); hops: num_steps - 1, plus the first one ahead when num_ahead > 0. The full
+    # ring: p - 1 hops.
     for lay, (_, mask, _, (ahead, steps)) in list(zip(layouts, cases))[:5]:
-        arrays = 3 + len(mask.reads())
+        arrays = 3
         fwd = jax.jit(functools.partial(ring, layout=lay, mask=mask)).lower(q, k, v).compile()
         ops, _, _ = rx.permute_stats(fwd.as_text())
         assert ops == arrays * (steps - 1 + (ahead > 0)) < arrays * (p - 1)
@@ -709,15 +709,15 @@ def test_wire_packs_records_and_compressed_kv_into_few_arrays(dtype):
     # XLA's TPU scheduler keeps at most five permutes in flight over a kernel, so a ring
     # step's K, V and records must travel as at most three arrays, and decode exactly
     # what a cast to the wire dtype keeps.
-    from ringeqx._comm import decode, encode
+    from ringeqx._comm import from_wire, to_wire
 
     k = jax.random.normal(jax.random.key(0), (1, 2, 8, 4), jnp.float32) * 300
     v = jax.random.normal(jax.random.key(1), (1, 2, 8, 4), jnp.float32)
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     info = rx.TokenInfo(pos, pos // 3, jnp.where(pos > 4, pos, -1), pos % 5 != 2)
-    wire, layout = encode((k, v, info), dtype)
+    wire, layout = to_wire((k, v, info), dtype)
     assert len(wire) == {None: 3, jnp.bfloat16: 2, jnp.float16: 3, jnp.float8_e4m3fn: 3}[dtype]
-    k2, v2, info2 = decode(wire, layout)
+    k2, v2, info2 = from_wire(wire, layout)
     for name in ("positions", "segments", "spans", "valid"):
         np.testing.assert_array_equal(getattr(info2, name), getattr(info, name))
         assert getattr(info2, name).dtype == getattr(info, name).dtype
