@@ -111,11 +111,14 @@ def aot(session: nox.Session, target: str) -> None:
     (`ringeqx.target_mesh`), with checks that read what the compilers emit (spills,
     the scheduled HLO). Posargs go to pytest.
     """
-    session.install("-e", ".", "pytest", "beartype", *_COMPILERS[target])
+    session.install("-e", ".", "pytest", "pytest-xdist", "beartype", *_COMPILERS[target])
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "aot").glob(f"test_{target}_*.py"))
     if not tests:
         session.error(f"No aot/test_{target}_*.py files.")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *tests, *session.posargs)
+    # Each compile keeps one core busy, so two workers use both of CI's cores; work
+    # stealing keeps them busy to the end (the cases take from seconds to two minutes).
+    workers = ["-n", "2", "--dist", "worksteal"]
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *workers, *tests, *session.posargs)
 
 
 @nox.session

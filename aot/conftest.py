@@ -13,6 +13,9 @@ import os
 
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# `nox -s aot` runs two pytest workers; libtpu otherwise takes a lock file that lets
+# only one process on the machine load it (compile-only topologies use no chip).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import sys
 from pathlib import Path

@@ -16,7 +16,7 @@ dtype, head_dim and kernel (`_pallas_gpu._TUNED`), every bfloat16 and float16 ke
 compiles with 0 spill bytes on sm_80 and sm_90; that is asserted. float32 compiles for
 every case (asserted); its spills are printed (`pytest -s`), not asserted: its dK/dV
 spills, up to 3.3 KB at head_dim 256 (with every tile tried) and up to 108 bytes at 64
-and 128. Run time: six programs, 60-80 s each, about 7 minutes in all (4 CPU minutes)
+and 128. Run time: six programs of 15-25 s each under `nox -s aot` (two pytest workers)
 on a shared two-core machine.
 """
 
