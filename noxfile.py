@@ -118,7 +118,8 @@ def aot(session: nox.Session, target: str) -> None:
     # Each compile keeps one core busy, so two workers use both of CI's cores; work
     # stealing keeps them busy to the end (the cases take from seconds to two minutes).
     workers = ["-n", "2", "--dist", "worksteal"]
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *workers, *tests, *session.posargs)
+    pytest = ["python", "-m", "pytest", "-p", "no:cacheprovider"]
+    session.run(*pytest, *workers, *tests, *session.posargs)
 
 
 @nox.session

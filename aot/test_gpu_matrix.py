@@ -71,7 +71,7 @@ def _records(length: int) -> rx.TokenInfo:
 
 def _block_call(kernel, q, k, v, mask, score_mod):
     info = _records(q.shape[2])
-    args = (info, info, mask, score_mod, 0.125)
+    args = (info, info, rx.Scores(mask, score_mod, 0.125))
     out, lse = kernel.forward(q, k, v, *args)
     delta = jnp.sum(out, axis=-1)
     return out, kernel.backward(q, k, v, lse, delta, out.astype(q.dtype), *args)

@@ -81,7 +81,7 @@ def test_declared_kernel_cost_is_the_model_flops():
 
     def block(q, k, v):
         info = rx.TokenInfo(pos, jnp.zeros_like(pos), jnp.full_like(pos, -1), pos >= 0)
-        args = (info, info, rx.Full(), None, 0.125)
+        args = (info, info, rx.Scores(rx.Full(), None, 0.125))
         out, lse = kernel.forward(q, k, v, *args)
         delta = jnp.sum(out, axis=-1)
         return out, kernel.backward(q, k, v, lse, delta, out.astype(q.dtype), *args)

@@ -36,7 +36,7 @@ def main():
     for r, u in ((4, 2), (2, 4)):
         m = _mesh((r, u), ("sequence", "ulysses"))
         cases.append((f"hybrid ring {r} x ulysses {u}", m, rx.RingConfig(ulysses_axis="ulysses")))
-    cases.append(("allgather 8", ring8, rx.RingConfig(mode="allgather")))
+    cases.append(("allgather 8", ring8, rx.AllGather()))
     print("| mode | fwd permute | fwd all-to-all | fwd all-gather | fwd total | fwd+bwd total |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, m, c in cases:

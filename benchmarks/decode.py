@@ -48,7 +48,7 @@ from ringeqx._timing import median_seconds  # noqa: E402
 def _partial(kernel, q, keys, values, kv_info, q_info, mask, scale):
     """One device's `(out, lse)` of `q` `[heads, d]` over its slots `[kv_heads, C, d]`."""
     out, lse = kernel.forward(
-        q[None, :, None], keys[None], values[None], q_info, kv_info, mask, None, scale
+        q[None, :, None], keys[None], values[None], q_info, kv_info, rx.Scores(mask, None, scale)
     )
     return out[0, :, 0], lse[0, :, 0]
 
@@ -222,7 +222,7 @@ def exactness(args):
         3,
         num_kv_heads=2,
         hidden=64,
-        attention_kwargs=dict(kernel=rx.XlaKernel(64, 64), sinks=True),
+        attention=rx.nn.AttentionOptions(kernel=rx.XlaKernel(64, 64), sinks=True),
         key=jax.random.key(0),
     )
     masks = (rx.Causal(), rx.Causal() & rx.Document(), rx.SlidingWindow(100))

@@ -1,6 +1,6 @@
-"""Check ringeqx's per-device kernels on a GPU: correctness at real sizes, then TFLOP/s.
+"""Check ringeqx's per-device kernels on a GPU or TPU: correctness at real sizes, then TFLOP/s.
 
-On a GPU this
+On a GPU (the Triton kernel) or a TPU (the Mosaic kernel), compiled for it, this
 
 1. runs the kernel contract at real sizes: every kernel's `out`, `lse` and gradients
    against a dense float32 answer, for several masks, GQA 4:1, head_dim 64 and 128,
@@ -9,11 +9,11 @@ On a GPU this
    tokens, bfloat16, head_dim 64 and 128, causal and not, next to
    `jax.nn.dot_product_attention` (cuDNN where JAX has it), and prints TFLOP/s.
 
-Without a GPU (or with `--tiny`) it runs the same code at a tiny size on the CPU, with
+Without a GPU or TPU (or with `--tiny`) it runs the same code at a tiny size on the CPU, with
 the Pallas kernels in the interpreter; CI runs that.
 
 ```
-python benchmarks/gpu_check.py           # real sizes on a GPU, tiny elsewhere
+python benchmarks/gpu_check.py           # real sizes on a GPU or TPU, tiny elsewhere
 python benchmarks/gpu_check.py --tiny    # tiny sizes, interpreter, any machine
 ```
 
@@ -36,9 +36,11 @@ from ringeqx._timing import median_seconds
 
 
 def records(batch: int, length: int, doc: int) -> rx.TokenInfo:
-    """Positions 0..length-1, documents of `doc` tokens, no spans."""
+    """Positions 0..length-1 (one run, as a contiguous layout says), documents of `doc`
+    tokens, no spans."""
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return rx.TokenInfo(pos, pos // doc, jnp.full_like(pos, -1), pos >= 0)
+    runs = rx.Runs((0,), length)
+    return rx.TokenInfo(pos, pos // doc, jnp.full_like(pos, -1), pos >= 0, runs)
 
 
 def problem(key, batch, heads, kv_heads, length, head_dim, dtype):
@@ -56,15 +58,14 @@ def kernel_fns(kernel, info, mask, mod=None):
 
     def forward(q, k, v):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        return kernel.forward(q, k, v, info, info, mask, mod, scale)
+        return kernel.forward(q, k, v, info, info, rx.Scores(mask, mod, scale))
 
     def forward_backward(q, k, v, d_out):
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = kernel.forward(q, k, v, info, info, mask, mod, scale)
+        scores = rx.Scores(mask, mod, scale)
+        out, lse = kernel.forward(q, k, v, info, info, scores)
         delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
-        grads = kernel.backward(
-            q, k, v, lse, delta, d_out, info, info, mask, mod, scale
-        )
+        grads = kernel.backward(q, k, v, lse, delta, d_out, info, info, scores)
         return out, lse, grads
 
     return jax.jit(forward), jax.jit(forward_backward)
@@ -157,8 +158,12 @@ def run_checks(kernels, cfg, failures) -> None:
     slopes = 2.0 ** (-8.0 * jnp.arange(1, heads + 1, dtype=jnp.float32) / heads)
     # (mask, score modifier): the modifiers' per-head parameters reach each program
     # through a block spec, a path only hardware compiles for real.
+    block = max(length // 16, 1)
+    blocks = -(-length // block)
+    pattern = jax.random.bernoulli(jax.random.key(1), 0.5, (blocks, blocks))
     masks = {
         "full": (rx.Full(), None),
+        "block_sparse_causal": (rx.BlockSparse(pattern, block) & rx.Causal(), None),
         "causal": (rx.Causal(), None),
         "causal_document": (rx.Causal() & rx.Document(), None),
         "sliding_window": (rx.SlidingWindow(max(length // 4, 1)), None),
@@ -203,6 +208,52 @@ def run_checks(kernels, cfg, failures) -> None:
                     f"| {name} | {head_dim} | {mask_name} | {cells} | "
                     f"{'yes' if ok else 'NO'} |"
                 )
+
+
+def run_ring(cfg, failures) -> None:
+    """`ring_attention` with the default kernel (`"auto"`: this platform's) on a ring of
+    every local device, fwd + grad, against `reference_attention`."""
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
+    length = cfg["check_len"] // n * n
+    kernel = rx.select_kernel("auto", mesh=mesh)
+    print(f"\n## The ring on {n} {devices[0].platform} device(s): default kernel {kernel}\n")
+    keys = jax.random.split(jax.random.key(7), 4)
+    shape = (cfg["batch"], length)
+    q = jax.random.normal(keys[0], (*shape, cfg["heads"], cfg["head_dims"][-1]), cfg["dtype"])
+    k, v = (jax.random.normal(key, (*shape, cfg["kv_heads"], q.shape[-1]), cfg["dtype"])
+            for key in keys[1:3])
+    segments = jnp.arange(length, dtype=jnp.int32) // (length // 3 + 1)
+    mask = rx.Causal() & rx.Document()
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v, mask=mask, segment_ids=segments)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32))), out
+
+    def ring(q, k, v, **kw):
+        return rx.ring_attention(q, k, v, mesh=mesh, **kw)
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    try:
+        with jax.set_mesh(mesh):
+            (_, out), grads = jax.jit(jax.value_and_grad(
+                lambda *a: loss(ring, *a), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        (_, want), want_grads = jax.jit(jax.value_and_grad(
+            lambda *a: loss(rx.reference_attention, *a), argnums=(0, 1, 2), has_aux=True
+        ))(*f32)
+        errs = [rel_error(g, w) for g, w in zip((out, *grads), (want, *want_grads))]
+    except Exception as e:  # noqa: BLE001 - reported and counted as failed
+        failures.append(f"ring: {e!r}")
+        traceback.print_exc(file=sys.stderr)
+        print(f"error: {type(e).__name__}")
+        return
+    ok = all(e < cfg["tol"] for e in errs)
+    if not ok:
+        failures.append(f"ring: {errs}")
+    print("| tokens | mask | out | dq | dk | dv | ok |\n|---|---|---|---|---|---|---|")
+    cells = " | ".join(f"{e:.1e}" for e in errs)
+    print(f"| {length} | causal & document | {cells} | {'yes' if ok else 'NO'} |")
 
 
 def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
@@ -274,8 +325,9 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-bench", action="store_true", help="only check")
     args = parser.parse_args(argv)
 
-    on_gpu = jax.default_backend() == "gpu"
-    tiny = args.tiny or not on_gpu
+    platform = jax.default_backend()
+    on_gpu = platform == "gpu"
+    tiny = args.tiny or platform not in ("gpu", "tpu")
     device = jax.devices()[0]
     print(f"# ringeqx gpu_check on {device.platform} ({device.device_kind})")
     print(
@@ -311,9 +363,10 @@ def main(argv=None) -> int:
             repeats=5,
             tol=3e-2,
         )
+        pallas = f"pallas_{platform}"
         kernels = {
-            "xla": rx.select_kernel("xla", "gpu"),
-            "pallas_gpu": rx.select_kernel("pallas_gpu", "gpu"),
+            "xla": rx.select_kernel("xla", platform),
+            pallas: rx.select_kernel(pallas, platform),
         }
     for name, kernel in kernels.items():
         print(f"- {name}: {kernel}")
@@ -322,6 +375,7 @@ def main(argv=None) -> int:
     failures: list[str] = []
     if not args.skip_checks:
         run_checks(kernels, cfg, failures)
+        run_ring(cfg, failures)
     if not args.skip_bench:
         run_bench(kernels, cfg, dpa_impl, dpa_label, failures)
     if failures:

@@ -77,10 +77,11 @@ def _kernels(mesh, kernel, permute: bool):
         scale = q.shape[-1] ** -0.5
         pos = jax.lax.axis_index("sequence") * q.shape[2] + jnp.arange(q.shape[2])[None]
         info = TokenInfo(pos, 0 * pos, 0 * pos - 1, pos >= 0)
+        scores = rx.Scores(mask, None, scale)
 
         def forward(carry, _):
             k, v, c, _, _ = carry
-            out, lse = kernel.forward(q, k + c * 1e-9, v, info, info, mask, None, scale)
+            out, lse = kernel.forward(q, k + c * 1e-9, v, info, info, scores)
             return (send(k), send(v), c + out[0, 0, 0, 0], out, lse), None
 
         zero = jnp.zeros_like(q)
@@ -91,7 +92,7 @@ def _kernels(mesh, kernel, permute: bool):
         def backward(carry, _):
             k, v, dk, dv, dq, c = carry
             grads = kernel.backward(
-                q, k + c * 1e-9, v, lse, delta, d_out, info, info, mask, None, scale
+                q, k + c * 1e-9, v, lse, delta, d_out, info, info, scores
             )
             dq, dk, dv = dq + grads[0], dk + grads[1], dv + grads[2]
             return (send(k), send(v), send(dk), send(dv), dq, c + grads[0][0, 0, 0, 0]), None

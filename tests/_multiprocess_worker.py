@@ -97,7 +97,7 @@ def main() -> None:
     # One training step of a small LM (adam), on the global ring and on one device.
     model = rx.nn.RingTransformerLM(
         vocab_size=11, dim=8, num_heads=2, num_layers=1, hidden=12,
-        attention_kwargs=dict(kernel=rx.XlaKernel(block_q=2, block_kv=2)),
+        attention=rx.nn.AttentionOptions(kernel=rx.XlaKernel(block_q=2, block_kv=2)),
         key=jax.random.key(1),
     )
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 11)

@@ -27,6 +27,16 @@ def _modules() -> dict[str, pathlib.Path]:
     return modules
 
 
+def _stem(name: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The module that `from <stem> import ...` in module `name` imports from."""
+    if not node.level:
+        return node.module or ""
+    # `from .x import y` is relative to the package holding the module.
+    base = name.split(".")
+    base = base[: len(base) - node.level + is_package]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, source: str, is_package: bool, modules) -> set[str]:
     """Modules of the package that `name` imports, anywhere in its source."""
     found = set()
@@ -34,13 +44,7 @@ def _imports(name: str, source: str, is_package: bool, modules) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                # `from .x import y` is relative to the package holding the module.
-                base = name.split(".")
-                base = base[: len(base) - node.level + is_package]
-                stem = ".".join(base + ([node.module] if node.module else []))
-            else:
-                stem = node.module or ""
+            stem = _stem(name, node, is_package)
             # `from . import _pallas_tiles` names a module; `from ._masks import Causal`
             # names a thing in one.
             targets = [
@@ -162,3 +166,56 @@ def test_no_long_functions():
     # it is the API page's text (`ring_attention`'s is 68 lines), not logic to hold in one's head.
     long = _long_functions()
     assert not long, f"functions over {MAX_LINES} lines: {long}"
+
+
+def _private_uses(name: str, source: str, is_package: bool, modules) -> list[str]:
+    """Private names (`_x`, not dunders) that module `name` takes from another module of
+    the package: `from ._m import _x`, or `m._x` on a module it imported. Importing a
+    private *module* (`from . import _pallas_tiles`) is how the package is built; taking
+    a private name out of one is reaching into its insides."""
+    tree = ast.parse(source)
+    aliases, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            stem = _stem(name, node, is_package)
+            for alias in node.names:
+                full = f"{stem}.{alias.name}"
+                if full in modules:
+                    aliases[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{name}: from {stem} import {alias.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and f"{aliases[node.value.id]}.{node.attr}" not in modules
+        ):
+            found.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_private_uses_are_read_correctly():
+    modules = _modules()
+    source = (
+        "from .._ring import _constrain, run\n"
+        "from . import _pallas_tiles as tiles\n"
+        "def f():\n    return tiles._secret, tiles.public, tiles.__name__\n"
+    )
+    found = _private_uses("ringeqx._kernels._made_up", source, False, modules)
+    assert found == [
+        "ringeqx._kernels._made_up: from ringeqx._ring import _constrain",
+        "ringeqx._kernels._made_up: ringeqx._kernels._pallas_tiles._secret",
+    ]
+
+
+def test_no_module_takes_another_modules_private_names():
+    modules = _modules()
+    found = [
+        use
+        for name, path in modules.items()
+        for use in _private_uses(name, path.read_text(), path.name == "__init__.py", modules)
+    ]
+    assert not found, "private names used across modules:\n" + "\n".join(found)

@@ -10,11 +10,10 @@ Not catchable, and so documented here rather than tested:
 
 - Values traced under `jax.jit` (a `Softcap` cap, ids computed inside the jitted function)
   cannot be checked at trace time; the checks are skipped for them, never failing.
-- A layout built by a strategy for another sequence length whose sharded length
-  (`num_shards * capacity`) happens to equal the input's length is indistinguishable from
-  input already in layout order; only a different length is caught. Where the input's
-  length is both the layout's original and its sharded length, the order must be stated
-  (`order=`).
+- With `layout=`, q/k/v are in the original order unless `order='layout'` says
+  otherwise; nothing is guessed from their length. An input of the layout's length in the
+  other order than the one stated is indistinguishable by its shape; a different length
+  is caught (and the message says when the length is the other order's).
 - `check_mask` is randomised: it finds a non-conservative block rule with high
   probability on small blocks, not with certainty. With `layout=` it is exact for that
   layout (its shards and its tiles of `block` slots).
@@ -106,6 +105,49 @@ def test_numpy_integers_are_ints():
     assert rx.contiguous_layout(np.int64(16), np.int64(2)).capacity == 8
     assert rx.Uniform().layout(np.int64(16), np.int64(2)).capacity == 8
     assert rx.BlockSparse(jnp.ones((2, 2), bool), np.int64(8)).block_size == 8
+    # Every strategy, the config's counts, the kernels' tiles, the layers' sizes and the
+    # planner's and generate's counts, as Python ints.
+    i = np.int64
+    for strategy in (rx.Zigzag(), rx.Striped(stripe=i(2)), rx.WorkBalanced(chunk=i(2))):
+        lay = strategy.layout(i(16), i(2), segment_ids=jnp.zeros(16, jnp.int32))
+        assert (lay.seq_len, type(lay.seq_len)) == (16, int), strategy
+    config = rx.RingConfig(communication_parallelism=i(2), ring_buffer_size=np.int32(1))
+    assert (config.communication_parallelism, config.ring_buffer_size) == (2, 1)
+    assert type(config.communication_parallelism) is int
+    assert type(rx.PallasGpuKernel(block_q=i(32), block_kv=i(32), interpret=True).block_q) is int
+    assert type(rx.PallasTpuKernel(block_q=i(128), interpret=True).block_q) is int
+    lm = rx.nn.RingTransformerLM(i(32), i(16), i(2), i(1), hidden=i(32), key=jax.random.key(0))
+    attention = lm.blocks[0].attention
+    assert (attention.num_heads, attention.head_dim, type(attention.head_dim)) == (2, 8, int)
+    sizes = dict(heads=i(8), kv_heads=i(2), head_dim=i(64), max_memory_usage=i(2**30))
+    assert rx.plan(i(4096), i(4), **sizes).seq_len == 4096
+
+
+def test_numpy_integers_under_filter_jit():
+    # Modules holding NumPy integers go through eqx.filter_jit as static configuration
+    # (one compile for the whole bundle); a NumPy integer passed as a jitted argument is
+    # traced by Equinox, and the error says so.
+    import equinox as eqx
+
+    i = np.int64
+    mask = rx.SlidingWindow(i(4))
+    config = rx.RingConfig(communication_parallelism=i(2))
+    kernel = rx.XlaKernel(i(8), i(8))
+    layout = rx.Zigzag().layout(i(SEQ), i(2))
+
+    @eqx.filter_jit
+    def run(mask, config, kernel, layout, q):
+        kw = dict(mask=mask, config=config, kernel=kernel, mesh=MESH)
+        return rx.ring_attention(q, q, q, layout=layout, **kw), rx.ring_attention(q, q, q, **kw)
+
+    out, plain = run(mask, config, kernel, layout, Q)
+    ref = rx.reference_attention(Q, Q, Q, mask=mask)
+    assert float(jnp.abs(out - ref).max()) < 1e-5
+    assert float(jnp.abs(plain - ref).max()) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Equinox's "array set as static", before our check
+        with pytest.raises(ValueError, match=r"`window` must be .*a traced value.*filter_jit"):
+            eqx.filter_jit(lambda w: rx.SlidingWindow(w))(i(4))
 
 
 # 2. Ids that do not fit in int32 are refused, not wrapped.
@@ -353,30 +395,45 @@ def test_batched_x_to_nn_ring_attention():
 # 6. Layout order.
 
 
-def test_input_in_original_order_with_a_padded_layout():
-    layout = rx.Zigzag().layout(14, 2)  # capacity 8: sharded length 16, original 14
-    match = r"layout order with seq = num_shards \* capacity = 16; got seq 14\. Use `layout.shard`"
-    with pytest.raises(ValueError, match=match):
-        _call(Q[:14], K[:14], V[:14], layout=layout)
+def test_input_is_in_the_original_order_by_default():
+    # A padded layout (capacity 8: sharded length 16, original 14): q/k/v of the
+    # original length are sharded by it, and the result comes back in that order.
+    mask, layout = rx.Causal(), rx.Zigzag().layout(14, 2)
+    out = _call(Q[:14], K[:14], V[:14], layout=layout, mask=mask)
+    want = rx.reference_attention(Q[:14], K[:14], V[:14], mask=mask)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_layout_for_another_length():
     layout = rx.Zigzag().layout(32, 2)
-    with pytest.raises(ValueError, match=r"capacity = 32; got seq 16"):
+    match = r"With `order='original'`, q/k/v must have seq = the layout's seq_len = 32; got seq 16"
+    with pytest.raises(ValueError, match=match):
         _call(layout=layout)
 
 
 ZIGZAG = rx.Zigzag().layout(SEQ, 2)  # capacity 8: original and sharded length are both 16
 
 
-def test_ambiguous_order_must_be_stated():
+def test_same_length_orders_are_never_guessed():
+    # Original and sharded lengths are both 16: without `order=`, q/k/v are in the
+    # original order (never reinterpreted as layout order because the length fits).
+    mask = rx.Causal()
+    default = _call(layout=ZIGZAG, mask=mask)
+    np.testing.assert_allclose(
+        default, rx.reference_attention(Q, K, V, mask=mask), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_array_equal(default, _call(layout=ZIGZAG, order="original", mask=mask))
+
+
+def test_layout_order_length_without_order_says_so():
+    # 16 tokens against a layout of 14 (sharded length 16): the original order is meant
+    # unless stated, so the error says how to state the other.
     match = (
-        r"With `layout=`, q/k/v of seq 16 may be in either order .* pass `order='layout'` "
-        r"if they are already in layout order .* or `order='original'` if they are in the "
-        r"original token order"
+        r"With `order='original'`, q/k/v must have seq = the layout's seq_len = 14; got "
+        r"seq 16\. They have the layout-order length: pass `order='layout'`"
     )
     with pytest.raises(ValueError, match=match):
-        _call(layout=ZIGZAG)
+        _call(layout=rx.Zigzag().layout(14, 2))
 
 
 _LAYOUT_14, _LAYOUT_15 = rx.Zigzag().layout(14, 2), rx.Zigzag().layout(15, 2)
@@ -405,12 +462,7 @@ _LAYOUT_14, _LAYOUT_15 = rx.Zigzag().layout(14, 2), rx.Zigzag().layout(15, 2)
         (
             "unknown order",
             {"layout": ZIGZAG, "order": "sharded"},
-            r"`order` must be 'layout', 'original' or None; got 'sharded'",
-        ),
-        (
-            "original length, no order",
-            {"layout": _LAYOUT_14},
-            r"got seq 14\. Use `layout.shard` or pass `order='original'`",
+            r"`order` must be 'original' or 'layout'; got 'sharded'",
         ),
     ],
 )
@@ -443,3 +495,46 @@ def test_both_orders_give_the_reference():
     explicit = mesh(2, explicit=True)
     call = jax.jit(lambda *a: _call(*a, layout=ZIGZAG, order="original", mask=mask, mesh=explicit))
     np.testing.assert_allclose(call(Q, K, V), want, rtol=1e-5, atol=1e-5)
+
+
+# 7. Sizes, budgets and counts of the cost model and the planner.
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: rx.RingCost(0, 8, 8, 8, 64), r"`RingCost seq_len` must be an integer >= 1; got 0"),
+        (lambda: rx.RingCost(1024.5, 8, 8, 8, 64), r"`RingCost seq_len` .* got 1024.5"),
+        (lambda: rx.RingCost(1024, True, 8, 8, 64), r"`RingCost num_devices` .* got True"),
+        (lambda: rx.RingCost(1024, 8, 8, 3, 64), r"heads=8, kv_heads=3"),
+        (lambda: rx.RingCost(64, 8, 8, 8, 64, kv_bytes=0), r"`RingCost kv_bytes` must be a "
+         r"finite number > 0; got 0"),
+        (lambda: rx.Hardware("x", 0, 1e9), r"`Hardware flops` must be a finite number > 0"),
+        (lambda: rx.Hardware("x", float("nan"), 1e9), r"`Hardware flops` .* got nan"),
+        (lambda: rx.Hardware("x", 1e12, -1.0), r"`Hardware bandwidth` .* got -1.0"),
+        (lambda: rx.Hardware("x", True, 1e9), r"`Hardware flops` .* got True"),
+        (lambda: rx.Hardware("x", 1e12, 1e9, memory=0), r"`Hardware memory` must be an integer"),
+        (lambda: rx.table2(heads=0), r"`heads` must be an integer >= 1; got 0"),
+        (lambda: rx.table2(heads=8, kv_heads=3), r"heads=8, kv_heads=3"),
+        (lambda: rx.table2(kv_dtype="int8"), r"`kv_dtype` must be a floating dtype .*'int8'"),
+        (lambda: rx.table2(kv_dtype="bf17"), r"`kv_dtype` must be a floating dtype .*'bf17'"),
+        (lambda: rx.plan(64, 8, heads=8, head_dim=64, dtype="int8", max_memory_usage=2**30),
+         r"`dtype` must be a floating dtype .*'int8'"),
+    ],
+)  # fmt: skip
+def test_cost_model_sizes_are_checked(make, match):
+    # Our own checks, as a user without jaxtyping's runtime hook meets them.
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        with pytest.raises(ValueError, match=match):
+            make()
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def test_cost_model_takes_numpy_numbers():
+    cost = rx.RingCost(np.int64(1024), np.int32(8), 8, 2, 64, kv_bytes=np.float32(1.0))
+    assert cost == rx.RingCost(1024, 8, 8, 2, 64, kv_bytes=1.0)
+    hw = rx.Hardware("x", np.float64(1e12), np.int64(10**9), memory=np.int64(2**30))
+    assert (hw.flops, hw.bandwidth, hw.memory) == (1e12, 10**9, 2**30)
+    assert type(hw.memory) is int

@@ -186,7 +186,7 @@ def test_balance_trades_the_runs_with_the_half_shards():
 
 def _call(info: rx.TokenInfo, mask, kernel=GPU):
     x = jnp.ones((1, 2, info.positions.shape[-1], 16), jnp.float32)
-    return kernel.forward(x, x, x, info, info, mask, None, 0.25)
+    return kernel.forward(x, x, x, info, info, rx.Scores(mask, None, 0.25))
 
 
 def test_records_without_runs_are_checked_at_run_time():
@@ -206,10 +206,10 @@ def test_records_without_runs_are_checked_at_run_time():
 def test_zigzag_tile_across_its_chunks_is_checked_at_run_time():
     # 200 tokens on 4 shards: chunks of 25 slots, so the tile [16, 32) holds the end of
     # the head chunk and the start of the tail chunk, which the runs do not relate: the
-    # run-time check stays. (Run, it fails on the shards whose chunks are far apart and
-    # passes on the one whose are adjacent, which then waits in the ring's next
-    # collective: the CPU runtime aborts after its 40 s rendezvous timeout. A direct call,
-    # above, shows the error itself.)
+    # run-time check stays. It fails on the shards whose chunks are far apart and passes
+    # on the one whose are adjacent: the ring makes it on every device together, so all
+    # raise (a device that passed alone would wait in the ring's next transfer, and the
+    # CPU runtime aborts the process after its 40 s rendezvous timeout).
     seq, shards = 200, 4
     layout = rx.Zigzag().layout(seq, shards)
     assert layout.runs == rx.Runs((0, 25), 50)
@@ -223,6 +223,8 @@ def test_zigzag_tile_across_its_chunks_is_checked_at_run_time():
         )
 
     assert _has_callback(jax.jit(attend).lower(q, k, v).as_text())
+    with pytest.raises(Exception, match="BlockSparse cannot run exactly in a Pallas kernel"):
+        jax.block_until_ready(jax.jit(attend)(q, k, v))
 
 
 def test_striped_too_spread_for_a_window_is_refused_when_traced():

@@ -11,7 +11,7 @@ import pytest
 from helpers import CausalSameDocument, OnlyWithinSpans, mesh, qkv
 
 import ringeqx as rx
-from ringeqx._ring import _check_qkv
+from ringeqx._checks import check_qkv as _check_qkv
 
 
 def _call(q, k, v, **kw):
@@ -98,8 +98,9 @@ def test_layout_shard_count_mismatch():
 def test_layout_order_length_mismatch():
     layout = rx.Uniform().layout(7, 2)
     q, k, v = qkv(jax.random.key(1), (2,), 7, 4, 2, 6)
-    with pytest.raises(ValueError, match="must be in layout order with seq"):
-        _call(q, k, v, layout=layout)
+    match = r"With `order='layout'`, q/k/v must have seq = num_shards \* capacity = 8; got seq 7"
+    with pytest.raises(ValueError, match=match):
+        _call(q, k, v, layout=layout, order="layout")
 
 
 def test_layout_with_segment_ids():

@@ -6,6 +6,7 @@ import io
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 from helpers import assert_close, mesh
@@ -50,7 +51,7 @@ def _model(key=0, masks=None, score_mods=None):
         len(masks),
         num_kv_heads=2,
         hidden=24,
-        attention_kwargs=dict(kernel=rx.XlaKernel(8, 8), sinks=True),
+        attention=rx.nn.AttentionOptions(kernel=rx.XlaKernel(8, 8), sinks=True),
         key=jax.random.key(key),
     )
     sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
@@ -235,6 +236,26 @@ def test_inference_errors():
             rx.generate(model, prompt, 2, jax.random.key(0), top_k=0)
         with pytest.raises(ValueError, match="`prompt` must be an integer array"):
             rx.generate(model, prompt[None, None], 2, jax.random.key(0))
+        # Sampling parameters that mean nothing, and ids outside the vocabulary: our own
+        # checks, as a user without jaxtyping's runtime hook meets them.
+        jaxtyping.config.update("jaxtyping_disable", True)
+        try:
+            for t, match in [
+                (-1.0, r"`temperature` must be finite and >= 0 .*got -1.0"),
+                (float("nan"), r"`temperature` must be finite and >= 0 .*got nan"),
+                ("hot", r"`temperature` must be a real scalar .*got str 'hot'"),
+                (jnp.ones(2), r"`temperature` must be a real scalar"),
+                (True, r"`temperature` must be a real scalar"),
+            ]:
+                with pytest.raises(ValueError, match=match):
+                    rx.generate(model, prompt, 2, jax.random.key(0), temperature=t)
+            with pytest.raises(ValueError, match="`key` must be a jax.random key"):
+                rx.generate(model, prompt, 2, 0)
+        finally:
+            jaxtyping.config.update("jaxtyping_disable", False)
+        vocab = model.embedding.num_embeddings
+        with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\).*e.g. {vocab}"):
+            rx.generate(model, prompt.at[3].set(vocab), 2, jax.random.key(0))
         with pytest.raises(ValueError, match="not to prefill together with `layout=`"):
             model.prefill(prompt, rx.Uniform().layout(12, 2), segment_ids=prompt * 0)
         with pytest.raises(ValueError, match="`max_new_tokens` must be an integer >= 0"):

@@ -81,7 +81,7 @@ def _run_one(kernel, c: Case):
     """Forward and backward of one block, as the ring drives them (a single block: its
     lse is the global lse)."""
     scale = 1.0 / math.sqrt(c.q.shape[-1])
-    args = (c.q_info, c.kv_info, c.mask, c.score_mod, scale)
+    args = (c.q_info, c.kv_info, rx.Scores(c.mask, c.score_mod, scale))
     out, lse = kernel.forward(c.q, c.k, c.v, *args)
     delta = jnp.sum(c.d_out.astype(jnp.float32) * out, axis=-1)
     grads = kernel.backward(c.q, c.k, c.v, lse, delta, c.d_out, *args)
@@ -364,7 +364,7 @@ def test_array_leaves_are_inputs_not_constants(kernel):
     @jax.jit(compiler_options=COMPILE)
     @eqx.debug.assert_max_traces(max_traces=1)
     def run(mask, score_mod):
-        return kernel.forward(hq, hk, hv, info, info, mask, score_mod, 0.125)
+        return kernel.forward(hq, hk, hv, info, info, rx.Scores(mask, score_mod, 0.125))
 
     @jax.jit(compiler_options=COMPILE)
     def reference(mask, score_mod):
@@ -538,7 +538,7 @@ def test_ring_device_type_interpret(device_type):
 
 def _block(kernel, q, k, v):
     info = _records(q.shape[0], q.shape[2])
-    return kernel.forward(q, k, v, info, info, rx.Full(), None, 1.0)
+    return kernel.forward(q, k, v, info, info, rx.Scores(rx.Full(), None, 1.0))
 
 
 def test_unsupported_head_dim_and_dtype():
@@ -565,7 +565,7 @@ def test_unsupported_head_dim_and_dtype():
     ):
         info = _records(1, 8)
         lse = x[..., 0].astype(jnp.float32)
-        gpu.backward(x, x, x, lse, lse, x, info, info, rx.Full(), None, 1.0)
+        gpu.backward(x, x, x, lse, lse, x, info, info, rx.Scores(rx.Full(), None, 1.0))
     y = jnp.zeros((1, 2, 8, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="needs q, k and v of one dtype"):
         _block(gpu, y, y.astype(jnp.float32), y)
@@ -630,7 +630,7 @@ def test_score_mod_must_select_its_head():
         ValueError, match=r"_PerHeadBias.for_head\(h\) must give scores"
     ):
         rx.PallasGpuKernel(interpret=True).forward(
-            x, x, x, info, info, rx.Full(), _PerHeadBias(jnp.arange(3.0)), 1.0
+            x, x, x, info, info, rx.Scores(rx.Full(), _PerHeadBias(jnp.arange(3.0)), 1.0)
         )
 
 
@@ -673,6 +673,9 @@ class _Delegate(rx.AbstractAttentionKernel):
     def backward(self, *args):
         return self.inner.backward(*args)
 
+    def runtime_check(self, *args, backward):
+        return self.inner.runtime_check(*args, backward=backward)
+
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(8, 8)]
 
@@ -691,6 +694,9 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
 
     def backward(self, *args):
         return rx.XlaKernel(self.block_q, self.block_kv).backward(*args)
+
+    def runtime_check(self, *args, backward):
+        return None
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(4, 8), (8, 4)]

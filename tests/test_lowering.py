@@ -96,7 +96,7 @@ def _custom_calls(text: str, platform: str) -> int:
 def _block_call(kernel, q, k, v, mask, mod):
     """Forward and backward of one block, as the ring drives them."""
     info = _records(q.shape[0], q.shape[2])
-    args = (info, info, mask, mod, 0.125)
+    args = (info, info, rx.Scores(mask, mod, 0.125))
     out, lse = kernel.forward(q, k, v, *args)
     delta = jnp.sum(out, axis=-1)
     return out, kernel.backward(q, k, v, lse, delta, out.astype(q.dtype), *args)

@@ -602,3 +602,29 @@ def test_span_ids_are_required_and_placed_like_segment_ids():
     msg = r"`span_ids` must have shape \[\*batch, seq\] = \(2, 12\) or \[seq\]; got shape \(1, 12\)"
     with pytest.raises(ValueError, match=msg):
         rx.ring_attention(q2, k2, v2, mask=spans, span_ids=ids[None], mesh=mesh(2))
+
+
+def test_reads_follows_calls_and_is_conservative_elsewhere():
+    # What a mask reads comes from a liveness pass over the traced rule (public
+    # jax.extend.core API, no private JAX): records only a dead branch touches are not
+    # read, a `jax.jit` inside the rule is followed, and an effect keeps its inputs.
+    from ringeqx._masks import _dependence
+
+    rec = [jax.ShapeDtypeStruct((3,), jnp.int32)] * 3
+    tree = jax.tree.structure(None)
+
+    def dead(_, a, b, c):
+        unused = b * 2  # computed, never returned
+        del unused
+        return a + 1
+
+    def nested(_, a, b, c):
+        return jax.jit(lambda x, y: x * 2)(a, b) + jax.jit(lambda z: z)(c)
+
+    def effect(_, a, b, c):
+        jax.debug.callback(lambda x: None, b)
+        return a
+
+    assert _dependence(dead, tree, (), rec) == [True, False, False]
+    assert _dependence(nested, tree, (), rec) == [True, False, True]
+    assert _dependence(effect, tree, (), rec) == [True, True, False]

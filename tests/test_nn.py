@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import assert_close, mesh, packed_segments
@@ -99,7 +100,7 @@ def test_small_lm_trains_and_matches_dense_gradients():
     m = mesh(4)
     model = rx.nn.RingTransformerLM(
         vocab_size=11, dim=16, num_heads=4, num_layers=2, num_kv_heads=2, hidden=24,
-        checkpoint=True, attention_kwargs=dict(kernel=rx.XlaKernel(8, 8)),
+        checkpoint=True, attention=rx.nn.AttentionOptions(kernel=rx.XlaKernel(8, 8)),
         key=jax.random.key(5),
     )
     tokens = jax.random.randint(jax.random.key(6), (2, 25), 0, 11)
@@ -136,3 +137,62 @@ def test_small_lm_trains_and_matches_dense_gradients():
         model, state, loss = step(model, state, tokens)
         losses.append(float(loss))
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_attention_options_build_every_block():
+    options = rx.nn.AttentionOptions(
+        mask=rx.SlidingWindow(5), sinks=True, kernel=rx.XlaKernel(8, 8), rope_theta=None
+    )
+    lm = rx.nn.RingTransformerLM(11, 12, 3, 2, num_kv_heads=1, attention=options,
+                                 key=jax.random.key(0))
+    for block in lm.blocks:
+        attn = block.attention
+        assert attn.mask == rx.SlidingWindow(5) and attn.kernel == rx.XlaKernel(8, 8)
+        assert attn.sinks is not None and attn.sinks.shape == (3,)
+        assert attn.rope_theta is None and attn.num_kv_heads == 1
+    # Checked where the layer is built, naming the layer's argument.
+    with pytest.raises(ValueError, match="Rotary embeddings need an even `head_dim`"):
+        rx.nn.AttentionOptions(head_dim=3).build(12, 3, 1, key=jax.random.key(0))
+
+
+def test_attention_kwargs_is_a_deprecated_alias():
+    key = jax.random.key(0)
+    with pytest.warns(DeprecationWarning, match="attention=ringeqx.nn.AttentionOptions"):
+        old = rx.nn.RingTransformerLM(
+            11, 12, 3, 1, attention_kwargs=dict(sinks=True, kernel=rx.XlaKernel(8, 8)), key=key
+        )
+    new = rx.nn.RingTransformerLM(
+        11, 12, 3, 1, attention=rx.nn.AttentionOptions(sinks=True, kernel=rx.XlaKernel(8, 8)),
+        key=key,
+    )
+    assert eqx.tree_equal(old, new)
+    with pytest.raises(ValueError, match="Pass the attention options once"):
+        rx.nn.RingTransformerLM(
+            11, 12, 3, 1, attention=rx.nn.AttentionOptions(), attention_kwargs={}, key=key
+        )
+
+
+def test_save_model_keeps_the_configuration(tmp_path):
+    key = jax.random.key(0)
+    options = rx.nn.AttentionOptions(
+        mask=rx.SlidingWindow(3), sinks=True, kernel=rx.XlaKernel(8, 8)
+    )
+    model = rx.nn.RingTransformerLM(11, 12, 3, 1, attention=options, key=key)
+    model = eqx.tree_at(lambda m: m.blocks[0].attention.sinks, model, jnp.arange(3.0))
+    # The arrays alone, into a template of another configuration: the template's mask
+    # is kept (what `save_model` exists to avoid).
+    other = rx.nn.RingTransformerLM(
+        11, 12, 3, 1, attention=rx.nn.AttentionOptions(sinks=True), key=jax.random.key(1)
+    )
+    eqx.tree_serialise_leaves(tmp_path / "leaves.eqx", model)
+    restored = eqx.tree_deserialise_leaves(tmp_path / "leaves.eqx", other)
+    assert restored.blocks[0].attention.mask == rx.Causal()
+    np.testing.assert_array_equal(restored.blocks[0].attention.sinks, jnp.arange(3.0))
+    rx.nn.save_model(tmp_path / "model.ringeqx", model)
+    loaded = rx.nn.load_model(tmp_path / "model.ringeqx")
+    assert eqx.tree_equal(loaded, model)
+    assert loaded.blocks[0].attention.mask == rx.SlidingWindow(3)
+    assert loaded.blocks[0].attention.kernel == rx.XlaKernel(8, 8)
+    (tmp_path / "junk").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="is not a model saved by ringeqx.nn.save_model"):
+        rx.nn.load_model(tmp_path / "junk")

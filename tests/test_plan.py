@@ -5,12 +5,13 @@ Compile-only (no arrays are allocated) and small: the full grid, N from 2K to 64
 """
 
 import json
+import re
 
 import jax
 import pytest
 
 import ringeqx as rx
-from ringeqx._cli import main
+from ringeqx._cli import PROFILES, main
 from ringeqx._plan_model import headroom
 
 
@@ -112,7 +113,7 @@ def test_argument_errors():
         rx.plan(4096, 8, heads=4, dim=64, num_layers=2, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`head_dim` is required"):
         rx.plan(4096, 8, heads=4, max_memory_usage=2**30)
-    with pytest.raises(ValueError, match="`seq_len` must be a positive int"):
+    with pytest.raises(ValueError, match="`seq_len` must be an integer >= 1"):
         rx.plan(0, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     # A Literal argument: beartype (in the tests) or the planner itself rejects it.
     with pytest.raises((ValueError, TypeError), match="remat"):
@@ -167,7 +168,8 @@ def test_remat_policies_give_the_same_gradients():
     import numpy as np
 
     mesh = jax.make_mesh((4,), ("sequence",), axis_types=(jax.sharding.AxisType.Auto,))
-    kwargs = dict(attention_kwargs=dict(kernel=rx.XlaKernel(8, 8)), key=jax.random.key(1))
+    options = rx.nn.AttentionOptions(kernel=rx.XlaKernel(8, 8))
+    kwargs = dict(attention=options, key=jax.random.key(1))
     models = [
         rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint=c, **kwargs)
         for c in ("none", "attention", "block")
@@ -186,3 +188,26 @@ def test_remat_policies_give_the_same_gradients():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
     assert any(float(jnp.abs(x).max()) > 0 for x in none)
+
+
+def test_cli_plan_defaults_and_argument_errors(capsys):
+    # Its own defaults plan (an H100's memory), and a bad flag is an argument error that
+    # names the flag, with no traceback.
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"] == "h100"
+    for argv, match in [
+        (["--profile", "cpu"], "--profile cpu needs --max-memory-mib"),
+        (["--max-memory-mib", "nan"], "--max-memory-mib: must be a finite number of MiB > 0"),
+        (["--max-memory-mib", "-5"], "--max-memory-mib: must be a finite number of MiB > 0"),
+        (["--dtype", "int8"], "--dtype: must be one of float32, .* got 'int8'"),
+        (["--profile", "mars"], "--profile: invalid choice: 'mars'"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main(["plan", *argv])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and "Traceback" not in err, err
+
+
+def test_cli_profiles_are_the_hardware_profiles():
+    assert set(PROFILES) == set(rx.HARDWARE)

@@ -160,7 +160,7 @@ def test_layout_argument_matches_original_order():
     out = _ring(m, mask=mask, layout=layout, order="layout")(sq, sk, sv)
     ref = rx.reference_attention(q, k, v, mask=mask, segment_ids=seg)
     assert_close(jax.vmap(layout.unshard)(out), ref)
-    ref_layout = rx.reference_attention(sq, sk, sv, mask=mask, layout=layout)
+    ref_layout = rx.reference_attention(sq, sk, sv, mask=mask, layout=layout, order="layout")
     assert_close(jax.vmap(layout.unshard)(ref_layout), ref)
 
 

@@ -99,7 +99,7 @@ def test_lm_training_step_gathers_nothing():
     m = mesh(8)
     model = rx.nn.RingTransformerLM(
         vocab_size=11, dim=16, num_heads=4, num_layers=2, num_kv_heads=2, hidden=20,
-        attention_kwargs=dict(kernel=KERNEL, mask=rx.SlidingWindow(10)),
+        attention=rx.nn.AttentionOptions(kernel=KERNEL, mask=rx.SlidingWindow(10)),
         key=jax.random.key(2),
     )
     data = jax.random.randint(jax.random.key(3), (2, SEQ + 1), 0, 11)

@@ -3,9 +3,13 @@
 import importlib.metadata
 
 from . import nn as nn
-from ._comm import RingConfig as RingConfig
+from ._call import ring_attention as ring_attention
+from ._comm import AllGather as AllGather, RingConfig as RingConfig
 from ._generate import generate as generate
-from ._kernels._base import AbstractAttentionKernel as AbstractAttentionKernel
+from ._kernels._base import (
+    AbstractAttentionKernel as AbstractAttentionKernel,
+    Scores as Scores,
+)
 from ._kernels._pallas_gpu import PallasGpuKernel as PallasGpuKernel
 from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
@@ -47,7 +51,6 @@ from ._report import (
     comm_report as comm_report,
     table2 as table2,
 )
-from ._ring import ring_attention as ring_attention
 from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,

@@ -7,6 +7,7 @@ functions that run a command.
 """
 
 import argparse
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -452,7 +453,7 @@ def generate(args: argparse.Namespace) -> int:
         args.heads,
         args.layers,
         num_kv_heads=args.kv_heads,
-        attention_kwargs=dict(mask=mask, sinks=True),
+        attention=rx.nn.AttentionOptions(mask=mask, sinks=True),
         key=jax.random.key(args.seed),
     )
     prompt = jax.random.randint(jax.random.key(args.seed + 1), (args.seq_len,), 0, args.vocab)
@@ -536,6 +537,38 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
     return value
+
+
+def _budget_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB; got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB > 0; got {text}")
+    return value
+
+
+def _float_dtype(text: str) -> str:
+    # Names, not jnp.dtype: argument errors come before JAX is imported.
+    names = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}; got {text!r}")
+    return text
+
+
+# Device profiles of `ringeqx plan --profile` (the keys of ringeqx.HARDWARE, written here
+# so that parsing imports no JAX; tests/test_cli.py checks they agree).
+PROFILES = (
+    "a100-nvlink",
+    "a100-infiniband",
+    "tpu-v3",
+    "tpu-v4",
+    "tpu-v5e",
+    "tpu-v5p",
+    "h100",
+    "h200",
+)
 
 
 def _common(sub: argparse.ArgumentParser, seq_len: int, heads: int, kv_heads: int):
@@ -635,7 +668,9 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
         "--mask", choices=("causal", "full", "documents", "window"), default="causal"
     )
     plan_parser.add_argument("--window", type=_positive, default=4096, help="for --mask window")
-    plan_parser.add_argument("--dtype", default="float32", help="q/k/v dtype (attention)")
+    plan_parser.add_argument(
+        "--dtype", type=_float_dtype, default="float32", help="q/k/v dtype (attention)"
+    )
     plan_parser.add_argument("--batch", type=_positive, default=1)
     plan_parser.add_argument(
         "--dim", type=_positive, default=None, help="LM width (plans an LM training step)"
@@ -643,11 +678,15 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
     plan_parser.add_argument("--layers", type=_positive, default=4, help="LM layers")
     plan_parser.add_argument("--vocab-size", type=_positive, default=32000)
     plan_parser.add_argument(
-        "--profile", default="cpu", help="device profile: cpu or a key of ringeqx.HARDWARE"
+        "--profile",
+        choices=("cpu", *PROFILES),
+        default="h100",
+        help="device profile: its memory is the default budget, its tiles the ones tried "
+        "(cpu has no memory size: give --max-memory-mib)",
     )
     plan_parser.add_argument(
         "--max-memory-mib",
-        type=float,
+        type=_budget_mib,
         default=None,
         help="budget per device in MiB (default: the profile's memory)",
     )
@@ -719,6 +758,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ringeqx` script and of `python -m ringeqx`."""
     args = _parser().parse_args(argv)
+    if args.command == "plan" and args.profile == "cpu" and args.max_memory_mib is None:
+        _parser().error(
+            "ringeqx plan --profile cpu needs --max-memory-mib (the CPU profile has no "
+            "memory size)"
+        )
     if args.heads % args.kv_heads != 0:
         _parser().error(
             f"--heads must be a multiple of --kv-heads; got {args.heads} and "

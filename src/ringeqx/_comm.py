@@ -1,18 +1,44 @@
 """Ring communication: configuration, and how K/V pieces and dK/dV travel round the ring."""
 
+import warnings
 from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from ._numbers import as_int
 from ._tokens import TokenInfo
 
 
-def _dtype_or_none(d):
-    return None if d is None else jnp.dtype(d)
+def _wire_dtype(name: str, default):
+    """A converter to the dtype `d` names (None: `default`), with an error that names
+    the field where `d` names no dtype (the dtype's kind is `__check_init__`'s)."""
+
+    def convert(d):
+        if d is None:
+            return default
+        try:
+            return jnp.dtype(d)
+        except TypeError:
+            raise ValueError(
+                f"RingConfig `{name}` must be a dtype ({_WIRE_NAMES}); got {d!r}, "
+                "which names no dtype."
+            ) from None
+
+    return convert
+
+
+_WIRE_NAMES = "jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32"
+
+
+def _travels(dt) -> bool:
+    """Whether the wire can carry `dt`: a floating dtype of whole bytes (its bits are
+    sent as unsigned integers of its width; 4-bit floats have no such width)."""
+    return jnp.issubdtype(dt, jnp.floating) and jnp.finfo(dt).bits == 8 * dt.itemsize
 
 
 def _needs_scale(dt) -> bool:
@@ -60,7 +86,9 @@ class RingConfig(eqx.Module):
         `kv_heads` must both be multiples of $U$, and the tokens per ring shard (the
         layout's `capacity`) too. Score modifiers see their own heads
         (`AbstractScoreMod.for_heads`); sinks apply after the output is back.
-    - `mode`: `"ring"` (the default) passes K/V round the ring, one shard per step.
+    - `mode`: deprecated: `"allgather"` is [`ringeqx.AllGather`][] (a
+        `DeprecationWarning`), which takes only the fields that apply to it.
+        `"ring"` (the default) passes K/V round the ring, one shard per step.
         `"allgather"` gathers all K/V (and their token records) on every device once,
         with one `all_gather` over the ring axis, then runs the kernel once over the whole
         sequence (the mask's block rule still skips tiles); the backward pass
@@ -86,16 +114,18 @@ class RingConfig(eqx.Module):
     """
 
     compression_dtype: DTypeLike | None = eqx.field(
-        static=True, default=None, converter=_dtype_or_none
+        static=True, default=None, converter=_wire_dtype("compression_dtype", None)
     )
     grad_compression_dtype: DTypeLike = eqx.field(
         static=True,
         default=jnp.float32,
-        converter=lambda d: jnp.dtype(jnp.float32 if d is None else d),
+        converter=_wire_dtype("grad_compression_dtype", jnp.dtype(jnp.float32)),
     )
-    communication_parallelism: int = eqx.field(static=True, default=1)
-    ring_buffer_size: int | None = eqx.field(static=True, default=None)
-    bidirectional: bool = eqx.field(static=True, default=False)
+    communication_parallelism: int = eqx.field(static=True, default=1, converter=as_int)
+    ring_buffer_size: int | None = eqx.field(static=True, default=None, converter=as_int)
+    bidirectional: bool = eqx.field(
+        static=True, default=False, converter=lambda b: bool(b) if isinstance(b, np.bool_) else b
+    )
     ulysses_axis: str | None = eqx.field(static=True, default=None)
     mode: Literal["ring", "allgather"] = eqx.field(static=True, default="ring")
     balance: Literal["zigzag"] | None = eqx.field(static=True, default=None)
@@ -103,11 +133,17 @@ class RingConfig(eqx.Module):
     def __check_init__(self):
         for name in ("compression_dtype", "grad_compression_dtype"):
             dt = getattr(self, name)
-            if dt is not None and not jnp.issubdtype(dt, jnp.floating):
+            if dt is not None and not _travels(dt):
                 raise ValueError(
-                    f"RingConfig `{name}` must be a floating dtype"
-                    f"{' or None' if name == 'compression_dtype' else ''}; got {dt!r}."
+                    f"RingConfig `{name}` must be a floating dtype of whole bytes "
+                    f"({_WIRE_NAMES}){' or None' if name == 'compression_dtype' else ''}; "
+                    f"got {dt!r}."
                 )
+        if not isinstance(self.bidirectional, bool):
+            raise ValueError(
+                "RingConfig `bidirectional` must be True or False; got "
+                f"{self.bidirectional!r}."
+            )
         n = self.communication_parallelism
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
@@ -134,6 +170,12 @@ class RingConfig(eqx.Module):
             raise ValueError(f"RingConfig `mode` must be 'ring' or 'allgather'; got {self.mode!r}.")
         if self.mode == "ring":
             return
+        warnings.warn(
+            "RingConfig(mode='allgather') is deprecated: pass "
+            "`config=ringeqx.AllGather(ulysses_axis=..., balance=...)`.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
         defaults = RingConfig()
         ignored = [
             name
@@ -189,6 +231,61 @@ class RingConfig(eqx.Module):
                     f"({n} pieces). Expected a number of pieces in {even}."
                 )
         return n
+
+
+class AllGather(eqx.Module):
+    """Attention over K/V gathered whole, instead of passed round the ring: the
+    `config=` of [`ringeqx.ring_attention`][] (and of the `nn` layers) for the
+    all-gather mode.
+
+    K, V and their token records are gathered on every device once, with one
+    `all_gather` over the ring axis; the kernel then runs once over the whole sequence
+    (the mask's block rule still skips tiles), and the backward pass reduce-scatters
+    dK/dV. It needs memory for the whole sequence's K/V per device and does not overlap
+    the transfer with compute, but sends each shard once, in one collective. None of
+    [`ringeqx.RingConfig`][]'s transfer settings apply to it, so it has none.
+
+    **Arguments:**
+
+    - `ulysses_axis`: as [`ringeqx.RingConfig`][]'s: the gather then runs on each
+        device's heads of the Ulysses x ring hybrid.
+    - `balance`: as [`ringeqx.RingConfig`][]'s (`"zigzag"` or None): under a causal mask
+        every device then does the same work.
+    """
+
+    ulysses_axis: str | None = eqx.field(static=True, default=None)
+    balance: Literal["zigzag"] | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        if self.ulysses_axis is not None and not isinstance(self.ulysses_axis, str):
+            raise ValueError(
+                "AllGather `ulysses_axis` must be a mesh axis name (str) or None; got "
+                f"{self.ulysses_axis!r}."
+            )
+        if self.balance not in (None, "zigzag"):
+            raise ValueError(f"AllGather `balance` must be None or 'zigzag'; got {self.balance!r}.")
+
+    def ring_config(self) -> RingConfig:
+        """This choice as the ring runs it: a `RingConfig` in all-gather mode."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return RingConfig(
+                ulysses_axis=self.ulysses_axis, balance=self.balance, mode="allgather"
+            )
+
+
+def as_ring_config(config: "RingConfig | AllGather | None") -> RingConfig:
+    """`config=` as the ring runs it (None: the default ring)."""
+    if config is None:
+        return RingConfig()
+    if isinstance(config, AllGather):
+        return config.ring_config()
+    if not isinstance(config, RingConfig):
+        raise TypeError(
+            "`config` must be a ringeqx.RingConfig, a ringeqx.AllGather or None; got "
+            f"{type(config).__name__}."
+        )
+    return config
 
 
 def shift(tree: PyTree, axis_name: str, num_shards: int, offset: int) -> PyTree:

@@ -16,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ._masks import AbstractMask, Causal, SlidingWindow
 from ._numbers import is_int
-from ._score_mods import AbstractScoreMod, Chain, _lift
+from ._score_mods import AbstractScoreMod, Chain, lift
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -90,7 +90,7 @@ class _KeyBias(AbstractScoreMod):
         # masked after the modifier).
         pos = k.positions[..., 0, :, :]
         b = jnp.take(self.bias.astype(scores.dtype), pos, axis=1, mode="clip")
-        return scores + _lift(jnp.moveaxis(b, 0, -3), scores.ndim)
+        return scores + lift(jnp.moveaxis(b, 0, -3), scores.ndim)
 
     def for_head(self, head: Int[Array, ""]) -> "_KeyBias":
         if self.bias.shape[0] == 1:
@@ -235,7 +235,7 @@ def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict):
     `jax.nn.dot_product_attention` names in `compat` are added to them (with `&` for
     masks; a bias runs before the caller's `score_mod`)."""
     _refuse(compat["implementation"], mask)
-    q_shape = np.shape(q)  # lists too (ring_attention converts them after this)
+    q_shape = q.shape  # a JAX array: the front door converts q/k/v first
     new = _window_mask(compat["is_causal"], compat["local_window_size"])
     q_lens, kv_lens = compat["query_seq_lengths"], compat["key_value_seq_lengths"]
     if q_lens is not None or kv_lens is not None:

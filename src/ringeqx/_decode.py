@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from ._kernels._base import AbstractAttentionKernel
-from ._kvcache import place
+from ._kernels._base import AbstractAttentionKernel, Scores
 from ._masks import AbstractMask
+from ._mesh import place
 from ._score_mods import AbstractScoreMod, apply_sinks
 from ._tokens import TokenInfo
 
@@ -86,7 +86,7 @@ def decode_attention(
     """
     cache_spec = PartitionSpec(None, axis_name)
 
-    def local(q, k, v, keys, values, query, records, slot, mask, score_mod):
+    def local(q, k, v, keys, values, query, records, slot, scores):
         keys, values = _write(keys, values, k, v, slot, axis_name)
         c = keys.shape[1]
         start = jax.lax.axis_index(axis_name) * c
@@ -95,7 +95,7 @@ def decode_attention(
         # loop: finding a free slot then needs no collective) and each device reads its own.
         kv_info = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, c)[None], records)
         out, lse = kernel.forward(
-            q[None, :, None], keys[None], values[None], q_info, kv_info, mask, score_mod, scale
+            q[None, :, None], keys[None], values[None], q_info, kv_info, scores
         )
         out, lse = merge_across(out[0, :, 0], lse[0, :, 0], axis_name)
         return out, lse, keys, values
@@ -106,10 +106,10 @@ def decode_attention(
     out, lse, keys, values = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(replicated,) * 3 + (cache_spec, cache_spec) + (replicated,) * 5,
+        in_specs=(replicated,) * 3 + (cache_spec, cache_spec) + (replicated,) * 4,
         out_specs=(replicated, replicated, cache_spec, cache_spec),
         check_vma=False,
-    )(q, k, v, keys, values, query, records, slot, mask, score_mod)
+    )(q, k, v, keys, values, query, records, slot, Scores(mask, score_mod, scale))
     if sinks is not None:
         out = apply_sinks(out[None], lse[None], sinks)[0]
     return out.astype(q.dtype), keys, values

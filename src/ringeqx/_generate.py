@@ -1,12 +1,16 @@
 """`generate`: ring prefill, then one compiled `lax.scan` of decode steps."""
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._layout import Layout
-from ._ring import _resolve_mesh
+from ._mesh import has_batch_axis, resolve_mesh
+from ._numbers import as_int, check_size, concrete_scalar, is_int
 from ._strategies._base import AbstractShardingStrategy
 from ._strategies._uniform import Uniform
 from .nn._transformer import RingTransformerLM
@@ -65,21 +69,69 @@ def _prompt_layout(prompt, strategy, segment_ids, num_shards: int) -> Layout:
     return strategy.layout(prompt.shape[-1], num_shards, segment_ids=segment_ids)
 
 
+def _check_sampling(key, temperature) -> None:
+    """A key that is a key, and a temperature that means something: a real scalar, and
+    where its value is known, finite and >= 0 (0: greedy)."""
+    key_like = isinstance(key, (jax.Array, np.ndarray)) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (key.dtype == jnp.uint32 and key.shape in ((2,), (4,)))  # raw (legacy) keys
+    )
+    if not key_like:
+        raise ValueError(
+            "`key` must be a jax.random key (`jax.random.key(seed)`); got "
+            f"{type(key).__name__} {getattr(key, 'dtype', '')}{getattr(key, 'shape', '')}."
+        )
+    t = temperature
+    real = isinstance(t, (int, float, np.integer, np.floating, jax.Array, np.ndarray)) and (
+        not isinstance(t, (bool, np.bool_))
+    )
+    if not real or np.ndim(t) != 0 or not jnp.issubdtype(jnp.result_type(t), jnp.number):
+        raise ValueError(
+            "`temperature` must be a real scalar (0 for greedy decoding); got "
+            f"{type(t).__name__} {t!r}."
+        )
+    value = concrete_scalar(t)
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"`temperature` must be finite and >= 0 (0 for greedy decoding); got {value!r}."
+        )
+
+
+def _check_tokens(prompt: Array, vocab_size: int) -> Array:
+    """`prompt`, whose ids must index the vocabulary (an embedding lookup would clamp
+    them onto other tokens): checked now when known, else at run time."""
+    if not isinstance(prompt, jax.core.Tracer):
+        bad = np.asarray(prompt)
+        bad = bad[(bad < 0) | (bad >= vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"`prompt` token ids must be in [0, {vocab_size}) (the model's vocab_size); "
+                f"got {bad.size} outside it, e.g. {int(bad[0])}."
+            )
+        return prompt
+    outside = jnp.any((prompt < 0) | (prompt >= vocab_size))
+    return eqx.error_if(
+        prompt, outside, f"`prompt` token ids must be in [0, {vocab_size}) (the vocab_size)."
+    )
+
+
 def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh):
     """Check `generate`'s arguments and make those of `_generate` (prompts in layout
     order with a batch axis, one key per prompt)."""
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an integer >= 1; got {steps!r}.")
-    if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+    steps = check_size("steps", steps)
+    top_k = None if top_k is None else as_int(top_k)
+    if top_k is not None and not (is_int(top_k) and top_k >= 1):
         raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
+    _check_sampling(key, temperature)
     axis = model.blocks[0].attention.axis_name
-    mesh = _resolve_mesh(mesh, axis)
+    mesh = resolve_mesh(mesh, axis)
     prompt = jnp.asarray(prompt)
     layout = _prompt_layout(prompt, strategy, segment_ids, mesh.shape[axis])
+    prompt = _check_tokens(prompt, model.embedding.num_embeddings)
     prompts = prompt if prompt.ndim == 2 else prompt[None]
     tokens = layout.shard(prompts, axis=-1)
     keys = jax.random.split(key, prompts.shape[0])
-    batch_axis = "batch" if "batch" in mesh.axis_names else None
+    batch_axis = has_batch_axis(mesh)
     temperature = jnp.asarray(temperature, jnp.float32)
     return model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis
 
@@ -117,7 +169,8 @@ def generate(
         `jax.vmap`; sharded over the mesh axis `"batch"` when the mesh has one).
     - `steps`: how many tokens to generate (static).
     - `key`: a `jax.random` key (unused by greedy decoding).
-    - `temperature`: 0 for greedy decoding (argmax), else the softmax temperature.
+    - `temperature`: 0 for greedy decoding (argmax), else the softmax temperature (a
+        real scalar, finite and >= 0).
     - `top_k`: sample among the `top_k` largest logits only (static), or None.
     - `strategy`: how the prompt is placed on the ring (default
         [`ringeqx.Uniform`][]); any strategy works, `Zigzag` balances causal prefill.

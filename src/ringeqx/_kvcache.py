@@ -3,13 +3,12 @@
 import math
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._layout import Layout
-from ._ring import _constrain
+from ._mesh import place
 from ._tokens import TokenInfo
 
 
@@ -116,15 +115,6 @@ class KVCache(eqx.Module):
                 for f in ("positions", "segments", "spans", "valid")
             )
         )
-
-
-def place(tree, mesh, spec: PartitionSpec):
-    """Every array of `tree` on `spec`: resharded where the mesh has Explicit axes (as
-    the ring does with its inputs), a sharding constraint for Auto axes."""
-    if AxisType.Explicit in mesh.axis_types:
-        return jax.tree.map(lambda x: _constrain(x, mesh, spec), tree)
-    sharding = NamedSharding(mesh, spec)
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
 
 def replicated(records: TokenInfo, mesh) -> TokenInfo:

@@ -197,7 +197,7 @@ class Layout(eqx.Module):
         return self._per_example(one, y, axis)
 
 
-def _check_ids(name: str, ids, seq_len: int) -> Array:
+def check_id_array(name: str, ids, seq_len: int) -> Array:
     check_int32(name, ids)
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -213,10 +213,10 @@ def _check_all_ids(segment_ids, span_ids, seq_len: int):
     """Checked segment and span ids (or None) and the batch shape they broadcast to."""
     batch = ()
     if segment_ids is not None:
-        segment_ids = _check_ids("segment_ids", segment_ids, seq_len)
+        segment_ids = check_id_array("segment_ids", segment_ids, seq_len)
         batch = segment_ids.shape[:-1]
     if span_ids is not None:
-        span_ids = _check_ids("span_ids", span_ids, seq_len)
+        span_ids = check_id_array("span_ids", span_ids, seq_len)
         batch = jnp.broadcast_shapes(batch, span_ids.shape[:-1])
     return segment_ids, span_ids, batch
 

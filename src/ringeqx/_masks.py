@@ -7,11 +7,11 @@ from typing import NamedTuple
 
 import equinox as eqx
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from ._numbers import as_int
+from ._numbers import as_int, shown
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -318,7 +318,7 @@ class SlidingWindow(AbstractMask):
     def __check_init__(self):
         w = self.window
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-            raise ValueError(f"SlidingWindow `window` must be an integer >= 1; got {w!r}.")
+            raise ValueError(f"SlidingWindow `window` must be an integer >= 1; got {shown(w)}.")
 
     def allows(self, q: TokenInfo, k: TokenInfo) -> Bool[Array, "..."]:
         d = q.positions - k.positions
@@ -448,7 +448,7 @@ class BlockSparse(AbstractMask):
     def __check_init__(self):
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-            raise ValueError(f"BlockSparse `block_size` must be an integer >= 1; got {bs!r}.")
+            raise ValueError(f"BlockSparse `block_size` must be an integer >= 1; got {shown(bs)}.")
         shape, dtype = jnp.shape(self.block_mask), jnp.result_type(self.block_mask)
         if dtype != jnp.bool_:
             raise TypeError(f"BlockSparse `block_mask` must be a bool array; got dtype {dtype}.")
@@ -720,6 +720,33 @@ _SUMMARY_READS = {
 }
 
 
+def _used_inputs(jaxpr: jex.Jaxpr, used_outputs: list[bool]) -> list[bool]:
+    """Which inputs of `jaxpr` the used outputs depend on: a backward liveness pass over
+    its equations (public `jax.extend.core` API). A call of another jaxpr with the same
+    arity (`jit`, `closed_call`) is followed inside; any other equation with a used
+    output, or with effects, uses all its inputs (conservative: a record may be
+    reported read that is not, never the other way round)."""
+    live = {v for v, u in zip(jaxpr.outvars, used_outputs) if u and not isinstance(v, jex.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        outs = [v in live for v in eqn.outvars]
+        if not (any(outs) or eqn.effects):
+            continue
+        inner = eqn.params.get("jaxpr")
+        inner = getattr(inner, "jaxpr", inner)
+        if (
+            isinstance(inner, jex.Jaxpr)
+            and not inner.constvars
+            and len(inner.invars) == len(eqn.invars)
+            and len(inner.outvars) == len(eqn.outvars)
+            and not eqn.effects
+        ):
+            ins = _used_inputs(inner, outs)
+        else:
+            ins = [True] * len(eqn.invars)
+        live |= {v for v, u in zip(eqn.invars, ins) if u and not isinstance(v, jex.Literal)}
+    return [v in live for v in jaxpr.invars]
+
+
 def _dependence(fn, treedef, leaves: tuple, records: list) -> list[bool]:
     """Whether the output of `fn(mask, *records)` depends on each record array, for the
     mask of structure `treedef` whose array leaves are given as `ShapeDtypeStruct`s."""
@@ -732,7 +759,7 @@ def _dependence(fn, treedef, leaves: tuple, records: list) -> list[bool]:
 
     abstract = [x for x, a in zip(leaves, is_abstract) if a]
     jaxpr = jax.make_jaxpr(traced)(abstract, *records).jaxpr
-    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=False)
+    used = _used_inputs(jaxpr, [True] * len(jaxpr.outvars))
     return used[len(used) - len(records) :]
 
 

@@ -1,5 +1,7 @@
 """Checks of numbers and integer arrays given by users, whether Python, NumPy or JAX."""
 
+import math
+
 import jax
 import numpy as np
 
@@ -74,3 +76,43 @@ def check_int32(name: str, ids) -> None:
             f"[{lo}, {hi}]. Renumber the ids (e.g. with `np.unique(ids, "
             "return_inverse=True)`)."
         )
+
+
+def check_size(name: str, x, minimum: int = 1) -> int:
+    """`x` as a Python int, when it is an integer (Python or NumPy, not a bool) of at
+    least `minimum`; else a ValueError that names `name`."""
+    x = as_int(x)
+    if not is_int(x) or x < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {shown(x)}.")
+    return int(x)
+
+
+def shown(x) -> str:
+    """`repr(x)` for an error message; for a traced value, also why it is traced: an
+    integer that sets a static size cannot come through `jax.jit` / `eqx.filter_jit` as
+    an argument (both trace NumPy integers and 0-d arrays too)."""
+    if isinstance(x, jax.core.Tracer):
+        return (
+            f"a traced value {x!r} (under `jax.jit` or `eqx.filter_jit`, an integer passed "
+            "as an argument is traced, NumPy integers included: give a Python int from "
+            "outside the jitted function, or mark the argument static)"
+        )
+    return repr(x)
+
+
+def as_number(x):
+    """`x` as a Python number when it is a NumPy scalar or a concrete 0-d array (as
+    `as_int`, floats included), else unchanged."""
+    if isinstance(x, np.floating):
+        return float(x)
+    return as_int(x)
+
+
+def check_positive(name: str, x) -> int | float:
+    """`x` when it is a finite real number > 0 (Python or NumPy, not a bool); else a
+    ValueError that names `name`."""
+    x = as_number(x)
+    real = isinstance(x, (int, float)) and not isinstance(x, bool)
+    if not (real and math.isfinite(x) and x > 0):
+        raise ValueError(f"`{name}` must be a finite number > 0; got {shown(x)}.")
+    return x

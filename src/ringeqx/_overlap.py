@@ -8,7 +8,7 @@ import re
 import equinox as eqx
 import jax
 
-from ._profile import _ARRAY, _calls, _computations
+from ._profile import HLO_ARRAY, called_computations, computations
 
 
 # A Pallas kernel as it reaches the scheduled HLO: Mosaic on TPU, Triton on GPU.
@@ -144,7 +144,7 @@ def _line_kernels(line: str, called) -> list[str]:
     if _KERNEL.search(line):
         return [_name(line) or "custom-call"]
     out: list[str] = []
-    for ref, _ in _calls([line]):
+    for ref, _ in called_computations([line]):
         out += called(ref)
     return out
 
@@ -156,7 +156,7 @@ def _delivered(line: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     lhs = lhs[: lhs.find("async-done(")] if "async-done(" in lhs else lhs
     return tuple(
         (dt, tuple(int(d) for d in dims.split(",") if d))
-        for dt, dims in _ARRAY.findall(lhs)
+        for dt, dims in HLO_ARRAY.findall(lhs)
     )
 
 
@@ -249,7 +249,7 @@ def ring_overlap(compiled: str | jax.stages.Compiled) -> OverlapReport:
             "ring_overlap expects a compiled program or its HLO text; got "
             f"{type(compiled).__name__}."
         )
-    comps, _ = _computations(hlo)
+    comps, _ = computations(hlo)
     kernels = _kernel_names(comps)
     bodies: dict[str, int | None] = {}
     for lines in comps.values():

@@ -1,7 +1,7 @@
 """`ringeqx.plan`: tile sizes, rematerialisation and a sharding strategy chosen so that ring
 attention (or a `RingTransformerLM` training step) fits a per-device memory budget."""
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -10,6 +10,7 @@ from jax.typing import DTypeLike
 
 from ._kernels._xla import XlaKernel
 from ._masks import AbstractMask, Causal, Full
+from ._numbers import as_int, check_size, is_int
 from ._plan_model import (
     CATEGORIES,
     LMShapes,
@@ -19,7 +20,7 @@ from ._plan_model import (
     predict_attention,
     predict_lm,
 )
-from ._report import HARDWARE
+from ._report import HARDWARE, float_itemsize
 from ._steps import ring_window
 from ._strategies._base import AbstractShardingStrategy
 from ._strategies._uniform import Uniform
@@ -30,23 +31,28 @@ from ._strategies._zigzag import Zigzag
 Remat = Literal["none", "attention", "block"]
 _REMATS: tuple[Remat, ...] = ("none", "attention", "block")
 _MIB = 2**20
-_CFG_FIELDS = (
-    "kind",
-    "seq_len",
-    "num_devices",
-    "batch",
-    "batch_devices",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "vocab_size",
-    "dim",
-    "num_layers",
-    "hidden",
-    "mask",
-    "device",
-)
+
+
+class _Problem(NamedTuple):
+    """What a plan is for, checked: the problem's sizes, the mask, the device profile
+    and the budget (the fields of `Plan` that the search does not choose)."""
+
+    kind: Literal["attention", "lm"]
+    seq_len: int
+    num_devices: int
+    batch: int
+    batch_devices: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    vocab_size: int | None
+    dim: int | None
+    num_layers: int | None
+    hidden: int | None
+    mask: AbstractMask
+    device: str
+    max_memory_usage: int
 
 
 def _tiles(device: str) -> tuple[int, ...]:
@@ -194,31 +200,31 @@ def _ring_size(
     return layout.capacity, ring_window(mask, layout)[1]
 
 
-def _shapes(cfg: dict, block: int, num_devices: int) -> Shapes:
-    strategy = suggest_strategy(cfg["mask"], block)
-    capacity, num_steps = _ring_size(strategy, cfg["mask"], cfg["seq_len"], num_devices)
+def _shapes(cfg: _Problem, block: int, num_devices: int) -> Shapes:
+    strategy = suggest_strategy(cfg.mask, block)
+    capacity, num_steps = _ring_size(strategy, cfg.mask, cfg.seq_len, num_devices)
     return Shapes(
-        batch=cfg["batch"] // cfg["batch_devices"],
+        batch=cfg.batch // cfg.batch_devices,
         capacity=capacity,
         num_steps=num_steps,
-        heads=cfg["heads"],
-        kv_heads=cfg["kv_heads"],
-        head_dim=cfg["head_dim"],
-        itemsize=jnp.dtype(cfg["dtype"]).itemsize,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        itemsize=jnp.dtype(cfg.dtype).itemsize,
         block_q=block,
         block_kv=block,
-        dense=isinstance(cfg["mask"], Full),
+        dense=isinstance(cfg.mask, Full),
     )
 
 
-def _problem(cfg: dict, block: int, remat: Remat, num_devices: int) -> Shapes | LMShapes:
+def _problem(cfg: _Problem, block: int, remat: Remat, num_devices: int) -> Shapes | LMShapes:
     shapes = _shapes(cfg, block, num_devices)
-    if cfg["kind"] == "attention":
+    if cfg.kind == "attention":
         return shapes
-    return LMShapes(shapes, cfg["vocab_size"], cfg["dim"], cfg["num_layers"], cfg["hidden"], remat)
+    return LMShapes(shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat)
 
 
-def _predict(cfg: dict, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
+def _predict(cfg: _Problem, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
     problem = _problem(cfg, block, remat, num_devices)
     if isinstance(problem, LMShapes):
         return predict_lm(problem)
@@ -227,59 +233,57 @@ def _predict(cfg: dict, block: int, remat: Remat, num_devices: int) -> MemoryBre
 
 def plan_problem(p: Plan) -> Shapes | LMShapes:
     """The per-device sizes the model predicts `p` from (for calibration)."""
-    cfg = {name: getattr(p, name) for name in _CFG_FIELDS}
+    cfg = _Problem(*(getattr(p, name) for name in _Problem._fields))
     return _problem(cfg, p.block_q, p.remat, p.num_devices)
 
 
-def _make(cfg: dict, block: int, remat: Remat, memory: MemoryBreakdown) -> Plan:
-    fields = {k: v for k, v in cfg.items() if k != "max_memory_usage"}
+def _make(cfg: _Problem, block: int, remat: Remat, memory: MemoryBreakdown) -> Plan:
     return Plan(
-        **fields,
-        strategy=suggest_strategy(cfg["mask"], block),
+        **cfg._asdict(),
+        strategy=suggest_strategy(cfg.mask, block),
         block_q=block,
         block_kv=block,
         remat=remat,
-        max_memory_usage=cfg["max_memory_usage"],
         memory=memory,
     )
 
 
-def _remats(cfg: dict, remat: Remat | None) -> tuple[Remat, ...]:
+def _remats(cfg: _Problem, remat: Remat | None) -> tuple[Remat, ...]:
     if remat is not None:
         return (remat,)
-    return _REMATS if cfg["kind"] == "lm" else ("none",)
+    return _REMATS if cfg.kind == "lm" else ("none",)
 
 
-def _search(cfg: dict, remat: Remat | None, block: int | None) -> Plan | None:
+def _search(cfg: _Problem, remat: Remat | None, block: int | None) -> Plan | None:
     """The first (remat, tile) that fits, cheapest in compute first: no remat with
     smaller tiles before remat."""
-    blocks = _tiles(cfg["device"]) if block is None else (block,)
+    blocks = _tiles(cfg.device) if block is None else (block,)
     for r in _remats(cfg, remat):
         for b in blocks:
-            memory = _predict(cfg, b, r, cfg["num_devices"])
+            memory = _predict(cfg, b, r, cfg.num_devices)
             if _fits(cfg, memory):
                 return _make(cfg, b, r, memory)
     return None
 
 
-def _fits(cfg: dict, memory: MemoryBreakdown) -> bool:
+def _fits(cfg: _Problem, memory: MemoryBreakdown) -> bool:
     """Whether the prediction, with the model's headroom, is within the budget."""
-    return memory.total * (1 + headroom(cfg["kind"])) <= cfg["max_memory_usage"]
+    return memory.total * (1 + headroom(cfg.kind)) <= cfg.max_memory_usage
 
 
-def _no_fit_message(cfg: dict, remat: Remat | None, block: int | None) -> str:
+def _no_fit_message(cfg: _Problem, remat: Remat | None, block: int | None) -> str:
     """What would fit: more devices on the ring, or a larger budget."""
     r = _remats(cfg, remat)[-1]
-    b = _tiles(cfg["device"])[-1] if block is None else block
-    p, budget = cfg["num_devices"], cfg["max_memory_usage"]
+    b = _tiles(cfg.device)[-1] if block is None else block
+    p, budget = cfg.num_devices, cfg.max_memory_usage
     least = _predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
-    need = least.total * (1 + headroom(cfg["kind"]))
+    need = least.total * (1 + headroom(cfg.kind))
     head = (
         f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
-        f"seq_len={cfg['seq_len']} on num_devices={p} needs at least "
+        f"seq_len={cfg.seq_len} on num_devices={p} needs at least "
         f"{need / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b}, with the model's "
-        f"{headroom(cfg['kind']):.0%} headroom)"
+        f"{headroom(cfg.kind):.0%} headroom)"
     )
     if fixed >= budget:
         return (
@@ -303,7 +307,8 @@ def _budget(device: str, max_memory_usage: int | None) -> int:
     if device != "cpu" and device not in HARDWARE:
         raise ValueError(f"`device` must be 'cpu' or one of {sorted(HARDWARE)}; got {device!r}.")
     if max_memory_usage is not None:
-        if not isinstance(max_memory_usage, int) or max_memory_usage < 1:
+        max_memory_usage = as_int(max_memory_usage)
+        if not is_int(max_memory_usage) or max_memory_usage < 1:
             raise ValueError(
                 f"`max_memory_usage` must be a positive int (bytes per device); got "
                 f"{max_memory_usage!r}."
@@ -318,25 +323,33 @@ def _budget(device: str, max_memory_usage: int | None) -> int:
     return int(memory)
 
 
-def _check_sizes(cfg: dict) -> None:
-    for name in ("seq_len", "num_devices", "batch", "batch_devices", "heads", "kv_heads"):
-        value = cfg[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int; got {value!r}.")
-    if cfg["heads"] % cfg["kv_heads"] != 0:
-        raise ValueError(
-            f"`heads` must be a multiple of `kv_heads`; got heads={cfg['heads']}, "
-            f"kv_heads={cfg['kv_heads']}."
-        )
-    if cfg["batch"] % cfg["batch_devices"] != 0:
-        raise ValueError(
-            f"`batch`={cfg['batch']} must be divisible by `batch_devices`={cfg['batch_devices']}."
-        )
+def _float_name(dtype) -> str:
+    float_itemsize("dtype", dtype)  # a floating dtype, or an error naming `dtype`
+    return jnp.dtype(dtype).name
 
 
-def _lm_sizes(cfg: dict, dim, num_layers, vocab_size, hidden, head_dim) -> dict:
-    """The LM's sizes (all None for an attention plan)."""
+def _sizes(**given) -> dict[str, int]:
+    """The problem's sizes, each an integer >= 1, with the divisibility they need."""
+    sizes = {name: check_size(name, value) for name, value in given.items()}
+    if sizes["heads"] % sizes["kv_heads"] != 0:
+        raise ValueError(
+            f"`heads` must be a multiple of `kv_heads`; got heads={sizes['heads']}, "
+            f"kv_heads={sizes['kv_heads']}."
+        )
+    if sizes["batch"] % sizes["batch_devices"] != 0:
+        raise ValueError(
+            f"`batch`={sizes['batch']} must be divisible by "
+            f"`batch_devices`={sizes['batch_devices']}."
+        )
+    return sizes
+
+
+def _lm_sizes(heads: int, dim, num_layers, vocab_size, hidden, head_dim) -> dict:
+    """The kind of plan and the LM's sizes (all None for an attention plan)."""
     given = {"dim": dim, "num_layers": num_layers, "vocab_size": vocab_size}
+    given = {k: None if v is None else check_size(k, v) for k, v in given.items()}
+    head_dim = None if head_dim is None else check_size("head_dim", head_dim)
+    hidden = None if hidden is None else check_size("hidden", hidden)
     if all(v is None for v in given.values()):
         if head_dim is None:
             raise ValueError("`head_dim` is required for an attention plan (no `dim`).")
@@ -346,7 +359,8 @@ def _lm_sizes(cfg: dict, dim, num_layers, vocab_size, hidden, head_dim) -> dict:
         raise ValueError(
             f"An LM plan needs `dim`, `num_layers` and `vocab_size`; missing {missing}."
         )
-    head_dim = dim // cfg["heads"] if head_dim is None else head_dim
+    dim = given["dim"]
+    head_dim = dim // heads if head_dim is None else head_dim
     hidden = 4 * dim if hidden is None else hidden
     return {"kind": "lm", **given, "hidden": hidden, "head_dim": head_dim}
 
@@ -410,23 +424,26 @@ def plan(
     model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
     ```
     """
-    cfg = {
-        "seq_len": seq_len,
-        "num_devices": num_devices,
-        "batch": batch,
-        "batch_devices": batch_devices,
-        "heads": heads,
-        "kv_heads": heads if kv_heads is None else kv_heads,
-        "mask": Causal() if mask is None else mask,
-        "device": device,
-    }
-    _check_sizes(cfg)
-    cfg |= _lm_sizes(cfg, dim, num_layers, vocab_size, hidden, head_dim)
-    cfg["dtype"] = jnp.dtype(jnp.float32 if cfg["kind"] == "lm" else dtype).name
-    cfg["max_memory_usage"] = _budget(device, max_memory_usage)
+    sizes = _sizes(
+        seq_len=seq_len,
+        num_devices=num_devices,
+        batch=batch,
+        batch_devices=batch_devices,
+        heads=heads,
+        kv_heads=heads if kv_heads is None else kv_heads,
+    )
+    lm = _lm_sizes(sizes["heads"], dim, num_layers, vocab_size, hidden, head_dim)
+    cfg = _Problem(
+        **sizes,
+        **lm,
+        dtype=_float_name(jnp.float32 if lm["kind"] == "lm" else dtype),
+        mask=Causal() if mask is None else mask,
+        device=device,
+        max_memory_usage=_budget(device, max_memory_usage),
+    )
     if remat is not None and remat not in _REMATS:
         raise ValueError(f"`remat` must be one of {_REMATS} or None; got {remat!r}.")
-    if cfg["kind"] == "attention" and remat not in (None, "none"):
+    if cfg.kind == "attention" and remat not in (None, "none"):
         raise ValueError(
             f"`remat`={remat!r} needs an LM plan (`dim`, ...): attention alone has no "
             "layers to rematerialise (its custom VJP already recomputes the scores)."

@@ -8,8 +8,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import nn
+from ._call import ring_attention
 from ._plan import Plan
-from ._ring import ring_attention
 
 
 def _mesh(plan: Plan) -> Mesh:

@@ -16,7 +16,26 @@ COLLECTIVES = (
 
 _KIND = re.compile(rf"\s({'|'.join(COLLECTIVES)})(-start)?\(")
 # Every HLO array type: f32, bf16, s16, u64, pred, f8e4m3fn, f8e5m2, c64, ...
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+)?[a-z]*)\[([\d,]*)\]")
+HLO_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+)?[a-z]*)\[([\d,]*)\]")
+
+
+_HLO_TYPE = re.compile(r"pred|[suf]\d+|bf16|c\d+|f8e\d+m\d+\w*|f4e\d+m\d+\w*")
+
+
+def check_hlo_type(name: str, hlo_type) -> None:
+    """Raise unless `hlo_type` is an HLO element type name (`f32`, `bf16`, `s32`,
+    `f8e4m3fn`, `pred`, ...): a name no program has would match nothing silently."""
+    if not (isinstance(hlo_type, str) and _HLO_TYPE.fullmatch(hlo_type)):
+        raise ValueError(
+            f"`{name}` must be an HLO element type name such as 'f32', 'bf16', 's32', "
+            f"'u16' or 'f8e4m3fn' (as HLO writes them, not NumPy's); got {hlo_type!r}."
+        )
+
+
+def check_kind(kind) -> None:
+    """Raise unless `kind` is a collective this package reads (`COLLECTIVES`)."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"`kind` must be one of {COLLECTIVES} or None; got {kind!r}.")
 
 
 def dtype_bytes(hlo_type: str) -> float:
@@ -51,7 +70,7 @@ class HloCollective(NamedTuple):
     lhs: str
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     """`({computation: its instruction lines}, entry computation)`."""
     comps: dict[str, list[str]] = {}
     entry, cur = None, None
@@ -66,7 +85,7 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _calls(lines: list[str]) -> list[tuple[str, int]]:
+def called_computations(lines: list[str]) -> list[tuple[str, int]]:
     """`(computation, trips)` for every computation these lines call: a while body's
     `known_trip_count`, 1 for everything else."""
     calls = []
@@ -88,7 +107,7 @@ def _calls(lines: list[str]) -> list[tuple[str, int]]:
 
 def _executions(comps: dict[str, list[str]], entry: str | None) -> dict[str, list]:
     """`[(times, trips, loop), ...]` per computation, one per path from the entry."""
-    calls = {name: _calls(lines) for name, lines in comps.items()}
+    calls = {name: called_computations(lines) for name, lines in comps.items()}
     seen: dict[str, list] = {name: [] for name in comps}
     stack = [(entry, 1, (), None)]
     while stack:
@@ -112,7 +131,7 @@ def _op(line: str):
     lhs, rhs = line[: op.start()], line[op.end() :]
     arrays = tuple(
         (dt, tuple(int(d) for d in dims.split(",") if d))
-        for dt, dims in _ARRAY.findall(lhs)
+        for dt, dims in HLO_ARRAY.findall(lhs)
     )
     sizes = [dtype_bytes(dt) * math.prod(shape) for dt, shape in arrays]
     nbytes = int(max(sizes) if op.group(2) else sum(sizes)) if sizes else 0
@@ -123,7 +142,13 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
     """Every collective op of a compiled program's HLO text, each with how many times it
     runs per call: XLA removes loops of one trip, so ops in a while body count once per
     iteration of every loop around them (`known_trip_count` in the backend config)."""
-    comps, entry = _computations(hlo)
+    comps, entry = computations(hlo)
+    if entry is None:
+        raise ValueError(
+            "`hlo` must be the text of a compiled HLO module "
+            "(`jax.jit(f).lower(...).compile().as_text()`); it has no ENTRY computation "
+            f"(starts {hlo[:60]!r})."
+        )
     seen = _executions(comps, entry)
     out = []
     for name, lines in comps.items():
@@ -158,7 +183,7 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     counts: see `parse_collectives`), as `(kind, result)`: the kind (one of
     `COLLECTIVES`; async `-start` forms count once, `-done` not at all) and the result's
     type text (e.g. `"f32[1,128,4,64]{3,2,1,0}"`), to tell activations from parameters."""
-    comps, _ = _computations(hlo)
+    comps, _ = computations(hlo)
     return [
         (found[0], found[4].split("=", 1)[1].strip())
         for lines in comps.values()

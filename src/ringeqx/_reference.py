@@ -1,14 +1,16 @@
 """Dense attention with ringeqx semantics, for tests and users."""
 
-import math
+from typing import Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ._call import NO_COMPAT, Attention, input_order, resolve_attention
 from ._layout import Layout
-from ._masks import AbstractMask, Full, check_ids
-from ._score_mods import AbstractScoreMod, check_sinks
+from ._masks import AbstractMask
+from ._score_mods import AbstractScoreMod
 from ._tokens import TokenInfo
 
 
@@ -24,23 +26,45 @@ def reference_attention(
     score_mod: AbstractScoreMod | None = None,
     span_ids: Int[Array, "*#batch seq"] | None = None,
     sinks: Float[Array, " heads"] | None = None,
+    order: Literal["original", "layout"] = "original",
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """The dense answer of [`ringeqx.ring_attention`][] on one device, in float32.
 
-    Same arguments and semantics (masks, segment ids, layout order, score modifiers,
-    zero rows where nothing is attended); it materialises the full score matrix, so use
-    it for small problems. `sinks` (one logit per head) join every row's softmax
-    denominator as a key of value zero.
+    Same arguments, checks and semantics (the front door's resolution: masks, segment
+    ids, the layout and `order`, score modifiers, zero rows where nothing is attended);
+    it materialises the full score matrix, so use it for small problems. `sinks` (one
+    logit per head) join every row's softmax denominator as a key of value zero.
     """
-    mask = Full() if mask is None else mask
-    seq, heads, head_dim = q.shape[-3:]
+    a = resolve_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        segment_ids=segment_ids,
+        layout=layout,
+        scale=scale,
+        score_mod=score_mod,
+        span_ids=span_ids,
+        sinks=sinks,
+        compat=NO_COMPAT,
+    )
+    original = input_order(layout, a.q.shape[-3], order) == "original"
+    a.mask.check(a.q.shape[-3] if layout is None else layout.seq_len)
+    if layout is not None and original:
+        a = eqx.tree_at(
+            lambda a: (a.q, a.k, a.v), a, tuple(layout.shard(x, axis=-3) for x in (a.q, a.k, a.v))
+        )
+    out = _dense(a, layout)
+    return layout.unshard(out, axis=-3) if layout is not None and original else out
+
+
+def _dense(a: Attention, layout: Layout | None) -> Array:
+    """Dense attention of the resolved `a` (q/k/v in layout order when `layout`)."""
+    q, k, v = a.q, a.k, a.v
+    mask, score_mod, sinks, scale = a.mask, a.score_mod, a.sinks, a.scale
+    segment_ids, span_ids = a.segment_ids, a.span_ids
+    seq, heads = q.shape[-3], q.shape[-2]
     kv_heads = k.shape[-2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    check_ids(mask, segment_ids, span_ids, layout)
-    mask.check(seq if layout is None else layout.seq_len)
-    if score_mod is not None:
-        score_mod.check(heads)
-    check_sinks(sinks, heads)
     if layout is None:
         pos = jnp.arange(seq, dtype=jnp.int32)
         seg = pos * 0 - 1 if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)

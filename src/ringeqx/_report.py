@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from ._profile import COLLECTIVES, parse_collectives
+from ._numbers import as_int, as_number, check_positive, check_size
+from ._profile import COLLECTIVES, check_hlo_type, check_kind, parse_collectives
 
 
 class Hardware(eqx.Module):
@@ -29,9 +30,15 @@ class Hardware(eqx.Module):
     """
 
     name: str = eqx.field(static=True)
-    flops: int | float = eqx.field(static=True)
-    bandwidth: int | float = eqx.field(static=True)
-    memory: int | None = eqx.field(static=True, default=None)
+    flops: int | float = eqx.field(static=True, converter=as_number)
+    bandwidth: int | float = eqx.field(static=True, converter=as_number)
+    memory: int | None = eqx.field(static=True, default=None, converter=as_int)
+
+    def __check_init__(self):
+        check_positive("Hardware flops", self.flops)
+        check_positive("Hardware bandwidth", self.bandwidth)
+        if self.memory is not None:
+            check_size("Hardware memory", self.memory)
 
 
 _GIB = 2**30
@@ -52,6 +59,28 @@ HARDWARE = {
 }
 
 
+def _check_heads(heads: int, kv_heads: int) -> None:
+    if heads % kv_heads:
+        raise ValueError(
+            f"`heads` must be a multiple of `kv_heads`; got heads={heads}, kv_heads={kv_heads}."
+        )
+
+
+def float_itemsize(name: str, dtype) -> int:
+    """Bytes per element of the floating dtype `dtype` names; a ValueError naming
+    `name` for anything else."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(
+            f"`{name}` must be a floating dtype (jnp.bfloat16, jnp.float8_e4m3fn, ...); "
+            f"got {dtype!r}."
+        )
+    return dt.itemsize
+
+
 class RingCost(eqx.Module):
     r"""The ring's analytic cost per step and per device (the Ring Attention paper's
     model, extended to GQA and to the payload's dtype).
@@ -69,13 +98,20 @@ class RingCost(eqx.Module):
     (bytes per K/V element as sent), `grad_bytes` (bytes per dK/dV element as sent).
     """
 
-    seq_len: int = eqx.field(static=True)
-    num_devices: int = eqx.field(static=True)
-    heads: int = eqx.field(static=True)
-    kv_heads: int = eqx.field(static=True)
-    head_dim: int = eqx.field(static=True)
-    kv_bytes: int | float = eqx.field(static=True, default=2)
-    grad_bytes: int | float = eqx.field(static=True, default=4)
+    seq_len: int = eqx.field(static=True, converter=as_int)
+    num_devices: int = eqx.field(static=True, converter=as_int)
+    heads: int = eqx.field(static=True, converter=as_int)
+    kv_heads: int = eqx.field(static=True, converter=as_int)
+    head_dim: int = eqx.field(static=True, converter=as_int)
+    kv_bytes: int | float = eqx.field(static=True, default=2, converter=as_number)
+    grad_bytes: int | float = eqx.field(static=True, default=4, converter=as_number)
+
+    def __check_init__(self):
+        for name in ("seq_len", "num_devices", "heads", "kv_heads", "head_dim"):
+            check_size(f"RingCost {name}", getattr(self, name))
+        _check_heads(self.heads, self.kv_heads)
+        check_positive("RingCost kv_bytes", self.kv_bytes)
+        check_positive("RingCost grad_bytes", self.grad_bytes)
 
     @property
     def shard(self) -> int:
@@ -112,7 +148,9 @@ def table2(
     """The Ring Attention paper's Table 2, `{hardware: (min block, min sequence per
     device = 6 x block)}`, for `kv_heads` of `heads` and K/V sent in `kv_dtype`
     (the paper: multi-head, bf16)."""
-    cost = RingCost(1, 1, heads, kv_heads, 1, jnp.dtype(kv_dtype).itemsize)
+    heads, kv_heads = check_size("heads", heads), check_size("kv_heads", kv_heads)
+    _check_heads(heads, kv_heads)
+    cost = RingCost(1, 1, heads, kv_heads, 1, float_itemsize("kv_dtype", kv_dtype))
     out = {}
     for key, hw in HARDWARE.items():
         block = cost.min_shard(hw)
@@ -152,6 +190,11 @@ class CommReport(eqx.Module):
         return sum(r.bytes for r in self._pick(kind, dtype))
 
     def _pick(self, kind, dtype):
+        # A kind or dtype no program has would count 0 silently: refused instead.
+        if kind is not None:
+            check_kind(kind)
+        if dtype is not None:
+            check_hlo_type("dtype", dtype)
         return [r for r in self.rows if kind in (None, r.kind) and dtype in (None, r.dtype)]
 
     def __str__(self) -> str:

@@ -82,7 +82,7 @@ class AbstractScoreMod(eqx.Module):
         """
 
 
-def _lift(x: Array, ndim: int) -> Array:
+def lift(x: Array, ndim: int) -> Array:
     """Prepend unit axes so that `x` has `ndim` axes (the tests forbid implicit rank
     promotion, and records may carry fewer batch axes than the scores)."""
     return x.reshape((1,) * (ndim - x.ndim) + x.shape)
@@ -166,7 +166,7 @@ class ALiBi(AbstractScoreMod):
         n = scores.ndim
         dist = jnp.abs(q.positions - k.positions).astype(scores.dtype)
         slopes = self.slopes.astype(scores.dtype).reshape(heads, 1, 1)
-        return scores - _lift(slopes, n) * _lift(dist, n)
+        return scores - lift(slopes, n) * lift(dist, n)
 
     def for_head(self, head: Int[Array, ""]) -> "ALiBi":
         return ALiBi(jax.lax.dynamic_slice_in_dim(self.slopes, head, 1))
@@ -248,6 +248,6 @@ def apply_sinks(
     Rows that see no key stay zero. Differentiable in `out`, `lse` and `sinks`.
     """
     lse = lse.astype(jnp.float32)
-    z = _lift(sinks.astype(jnp.float32), lse.ndim)
+    z = lift(sinks.astype(jnp.float32), lse.ndim)
     # Rows with lse = -inf: exp(-inf - z) = 0 and out = 0; no NaN in either direction.
     return out * jnp.exp(lse - jnp.logaddexp(lse, z))[..., None]

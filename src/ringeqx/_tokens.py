@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from ._numbers import as_int
+
 
 # Segment and span ids of padding never match a real id; -1 in spans means "no span".
 _BIG = jnp.iinfo(jnp.int32).max
@@ -55,7 +57,7 @@ class Runs(eqx.Module):
     """
 
     starts: Sequence[int] = eqx.field(static=True, converter=_starts)
-    period: int = eqx.field(static=True)
+    period: int = eqx.field(static=True, converter=as_int)
     stride: int | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):

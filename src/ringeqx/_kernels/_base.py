@@ -3,11 +3,29 @@
 import abc
 
 import equinox as eqx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
+
+
+class Scores(eqx.Module):
+    """How a kernel forms the logits of a block, one argument of its `forward` and
+    `backward`: `scale * q . k`, then the score modifier, then the mask.
+
+    **Fields:**
+
+    - `mask`: the [`ringeqx.AbstractMask`][] whose rules the kernel evaluates on the
+        token records it loads (pairs it rules out get no weight).
+    - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the scaled
+        logits.
+    - `scale`: the logit scale (a static Python float).
+    """
+
+    mask: AbstractMask
+    score_mod: AbstractScoreMod | None
+    scale: float = eqx.field(static=True)
 
 
 class AbstractAttentionKernel(eqx.Module):
@@ -22,6 +40,7 @@ class AbstractAttentionKernel(eqx.Module):
       copies of K/V heads.
     - `q_info`, `kv_info`: token records `[batch, q_len]` and `[batch, kv_len]`; pairs with
       an invalid (padding) token never attend.
+    - `scores`: the mask, the score modifier and the scale, as one [`ringeqx.Scores`][].
 
     Every kernel works in `block_q x block_kv` tiles (static fields of the concrete
     kernel), which [`ringeqx.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
@@ -49,6 +68,32 @@ class AbstractAttentionKernel(eqx.Module):
         """
 
     @abc.abstractmethod
+    def runtime_check(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+        *,
+        backward: bool,
+    ) -> tuple[Bool[Array, ""], str] | None:
+        """The check of these records that `forward` (or, with `backward=True`,
+        `backward`) makes at run time, if it makes one.
+
+        A kernel that cannot tell when traced whether it computes every pair of the
+        records exactly (a Pallas kernel's tile-local `BlockSparse` map on records
+        without runs) checks them at run time (`eqx.error_if`) rather than answer
+        wrongly. Inside a ring, a check that fails on some devices only would leave the
+        others waiting in their next transfer, so the ring makes this check first,
+        outside its per-step branch, and raises `message` on every device together when
+        `flag` is True on any of them.
+
+        **Returns:** None where no run-time check is made (decided when traced), else
+        `(flag, message)`: `flag` True where the kernel's own check would fail.
+        """
+
+    @abc.abstractmethod
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
@@ -56,9 +101,7 @@ class AbstractAttentionKernel(eqx.Module):
         v: Float[Array, "batch kv_heads kv_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
@@ -80,9 +123,7 @@ class AbstractAttentionKernel(eqx.Module):
         d_out: Float[Array, "batch heads q_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],

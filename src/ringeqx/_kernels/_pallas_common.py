@@ -2,7 +2,9 @@
 a call, the mask and modifier as kernel operands, padding the inputs to whole tiles and
 trimming the outputs back. The tile maths inside the kernels is in `_pallas_tiles.py`."""
 
+import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -98,9 +100,28 @@ def tile_mask(
     """`tiles.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,
     stride]` (which pairs run, and their per-tile mask operands) and the tile-local
     mask."""
-    return tiles.tile_mask(
-        mask, q_info, kv_info, t.q_padded, t.block_q, t.kv_padded, t.block_kv
-    )
+    return tiles.tile_mask(*_tile_args(t, mask, q_info, kv_info))
+
+
+def _tile_args(t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
+    return mask, q_info, kv_info, t.q_padded, t.block_q, t.kv_padded, t.block_kv
+
+
+def runtime_check(
+    tilings: Sequence[Tiling], mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo
+) -> tuple[Array, str] | None:
+    """`AbstractAttentionKernel.runtime_check` of a kernel whose calls run on
+    `tilings`: the run-time checks of their `tile_mask`s, as one flag."""
+    checks = [
+        (t, tiles.inexact_tiles(*_tile_args(t, mask, q_info, kv_info)))
+        for t in tilings
+    ]
+    checks = [(t, flag) for t, flag in checks if flag is not None]
+    if not checks:
+        return None
+    flag = functools.reduce(jnp.logical_or, [flag for _, flag in checks])
+    t = checks[0][0]
+    return flag, tiles.inexact_message(mask, t.block_q, t.block_kv)
 
 
 def pad_qkv(t: Tiling, q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
-from .._masks import AbstractMask
-from .._score_mods import AbstractScoreMod
+from .._numbers import as_int
 from .._tokens import TokenInfo
 from . import _pallas_common as common, _pallas_tiles as tiles
-from ._base import AbstractAttentionKernel
+from ._base import AbstractAttentionKernel, Scores
 
 
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -466,10 +465,10 @@ class PallasGpuKernel(AbstractAttentionKernel):
     """
 
     # None is the tuned table; the base declares `int`, which these widen.
-    block_q: int | None = eqx.field(static=True, default=None)  # pyright: ignore
-    block_kv: int | None = eqx.field(static=True, default=None)  # pyright: ignore
-    num_warps: int | None = eqx.field(static=True, default=None)
-    num_stages: int | None = eqx.field(static=True, default=None)
+    block_q: int | None = eqx.field(static=True, default=None, converter=as_int)  # pyright: ignore
+    block_kv: int | None = eqx.field(static=True, default=None, converter=as_int)  # pyright: ignore
+    num_warps: int | None = eqx.field(static=True, default=None, converter=as_int)
+    num_stages: int | None = eqx.field(static=True, default=None, converter=as_int)
     interpret: bool = eqx.field(static=True, default=False)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
@@ -532,6 +531,20 @@ class PallasGpuKernel(AbstractAttentionKernel):
         )
         return t, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
+    def runtime_check(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+        *,
+        backward: bool,
+    ) -> tuple[Bool[Array, ""], str] | None:
+        kinds: tuple[Kind, ...] = ("dq", "dkv") if backward else ("forward",)
+        tilings = [self._launch(kind, q, k)[0] for kind in kinds]
+        return common.runtime_check(tilings, scores.mask, q_info, kv_info)
+
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
@@ -539,12 +552,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
         v: Float[Array, "batch kv_heads kv_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
             t, params = self._launch("forward", q, k)
@@ -570,14 +582,13 @@ class PallasGpuKernel(AbstractAttentionKernel):
         d_out: Float[Array, "batch heads q_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):
             # dQ and dK/dV each run on their own tiles (the dK/dV program holds two

@@ -20,7 +20,7 @@ import jax.extend.core
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from .._masks import AbstractMask, TileLocal, block_rule
 from .._score_mods import AbstractScoreMod
@@ -277,18 +277,15 @@ def tile_mask(
     a `ValueError` now, naming the mask, the tiles, the runs and tiles that fit. Only
     records without that fact (a hand-built TokenInfo, the ring's K/V halves with
     `bidirectional=True`, a Zigzag tile straddling its two chunks) are checked at run
-    time: `eqx.error_if` makes the table an error rather than a wrong answer. That is a
+    time: `eqx.error_if` makes the table an error rather than a wrong answer (in a ring,
+    the ring makes the same check first on every device together, through
+    `AbstractAttentionKernel.runtime_check`, so that no device waits alone). That is a
     host callback, which XLA compiles for real GPUs and TPUs but which a compile-only
     GPU (the CUDA plugin without a driver) cannot lower: give such programs their runs.
     """
-    q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
-    qs, ks = _tile_summaries(
-        q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
-    )
-    run = block_rule(mask, qs, ks)
-    local = mask.tile_local(qs, ks, block_q, block_kv)
-    values, _ = _kernel_leaves(local.mask)
+    run, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
     shape = run.shape
+    values, _ = _kernel_leaves(local.mask)
     per_tile = [x for x, tile in zip(values, local.per_tile) if tile]
     for x in per_tile:
         if x.shape != shape:
@@ -296,6 +293,60 @@ def tile_mask(
                 f"{type(mask).__name__}.tile_local must give per-tile operands of the "
                 f"tiles' shape {shape}; got shape {x.shape}."
             )
+    entries = [run.astype(jnp.int32), *per_tile]
+    stride = 1 << (len(entries) - 1).bit_length()
+    entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
+    table = jnp.stack(entries, axis=-1)
+    if local.exact is not True:
+        table = eqx.error_if(
+            table, _inexact(run, local), inexact_message(mask, block_q, block_kv)
+        )
+    return table, local
+
+
+def inexact_tiles(
+    mask: AbstractMask,
+    q_info: TokenInfo,
+    kv_info: TokenInfo,
+    q_len: int,
+    block_q: int,
+    kv_len: int,
+    block_kv: int,
+) -> Bool[Array, ""] | None:
+    """Whether some tile pair that [`tile_mask`][] runs holds positions its tile-local
+    mask cannot answer exactly (the run-time check `tile_mask` makes), or None where
+    that is decided when traced (exact; an inexact layout is refused then)."""
+    run, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    return None if local.exact is True else _inexact(run, local)
+
+
+def inexact_message(mask: AbstractMask, block_q: int, block_kv: int) -> str:
+    """The error of the run-time check of `tile_mask` / `inexact_tiles`."""
+    return (
+        f"{type(mask).__name__} cannot run exactly in a Pallas kernel with "
+        f"{block_q}x{block_kv} tiles here: a query or key tile holds positions "
+        "further apart than the part of the mask the kernel gets per tile (a "
+        "BlockSparse map: the blocks a run of consecutive positions meets). The "
+        "layout places far-apart positions in one tile (a tile straddles two runs "
+        "of consecutive positions); use a layout whose runs are multiples of the "
+        "tiles (Uniform, Zigzag with a length divisible by 2 x devices x tiles), a "
+        "larger block_size, or XlaKernel."
+    )
+
+
+def _inexact(run: Array, local: TileLocal) -> Bool[Array, ""]:
+    return jnp.any(run & ~jnp.asarray(local.exact))
+
+
+def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
+    """Which tile pairs run (the block rule on the tiles' summaries) and the mask's
+    tile-local form; refused when traced where that form is known to be inexact."""
+    q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
+    qs, ks = _tile_summaries(
+        q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
+    )
+    run = block_rule(mask, qs, ks)
+    local = mask.tile_local(qs, ks, block_q, block_kv)
     if local.exact is False:
         fits = _fitting_tiles(mask, q_info, kv_info, block_q, block_kv)
         raise ValueError(
@@ -308,25 +359,7 @@ def tile_mask(
             "multiples of the tiles (Striped with a longer stripe; Uniform, Zigzag), a "
             "larger block_size, or XlaKernel."
         )
-    entries = [run.astype(jnp.int32), *per_tile]
-    stride = 1 << (len(entries) - 1).bit_length()
-    entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
-    table = jnp.stack(entries, axis=-1)
-    if local.exact is not True:
-        inexact = jnp.any(run & ~jnp.asarray(local.exact))
-        table = eqx.error_if(
-            table,
-            inexact,
-            f"{type(mask).__name__} cannot run exactly in a Pallas kernel with "
-            f"{block_q}x{block_kv} tiles here: a query or key tile holds positions "
-            "further apart than the part of the mask the kernel gets per tile (a "
-            "BlockSparse map: the blocks a run of consecutive positions meets). The "
-            "layout places far-apart positions in one tile (a tile straddles two runs "
-            "of consecutive positions); use a layout whose runs are multiples of the "
-            "tiles (Uniform, Zigzag with a length divisible by 2 x devices x tiles), a "
-            "larger block_size, or XlaKernel.",
-        )
-    return table, local
+    return run, local
 
 
 def _extent(info: TokenInfo, block: int) -> int | None:

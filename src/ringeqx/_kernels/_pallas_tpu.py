@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from .._masks import AbstractMask
-from .._score_mods import AbstractScoreMod
+from .._numbers import as_int
 from .._tokens import TokenInfo
 from . import _pallas_common as common, _pallas_tiles as tiles
-from ._base import AbstractAttentionKernel
+from ._base import AbstractAttentionKernel, Scores
 
 
 _DTYPES = ("bfloat16", "float32")
@@ -475,8 +474,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=512)
-    block_kv: int = eqx.field(static=True, default=1024)
+    block_q: int = eqx.field(static=True, default=512, converter=as_int)
+    block_kv: int = eqx.field(static=True, default=1024, converter=as_int)
     interpret: bool = eqx.field(static=True, default=False)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
@@ -510,6 +509,19 @@ class PallasTpuKernel(AbstractAttentionKernel):
         block_kv = min(self.block_kv, tiles.round_up(kv_len, _LANES))
         return common.tiling(q, k, block_q, block_kv)
 
+    def runtime_check(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+        *,
+        backward: bool,
+    ) -> tuple[Bool[Array, ""], str] | None:
+        # Forward and backward run on the same tiles.
+        return common.runtime_check([self._tiling(q, k)], scores.mask, q_info, kv_info)
+
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
@@ -517,12 +529,11 @@ class PallasTpuKernel(AbstractAttentionKernel):
         v: Float[Array, "batch kv_heads kv_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
             t = self._tiling(q, k)
@@ -547,14 +558,13 @@ class PallasTpuKernel(AbstractAttentionKernel):
         d_out: Float[Array, "batch heads q_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
             t = self._tiling(q, k)

@@ -12,7 +12,7 @@ from .._masks import AbstractMask, Full
 from .._score_mods import AbstractScoreMod
 from .._timing import median_seconds
 from .._tokens import TokenInfo
-from ._base import AbstractAttentionKernel
+from ._base import AbstractAttentionKernel, Scores
 
 
 def _problem(
@@ -31,16 +31,14 @@ def _problem(
         return TokenInfo(pos, jnp.zeros_like(pos), jnp.full_like(pos, -1), pos >= 0)
 
     q_info, kv_info = info(q_len), info(kv_len)
-    scale = 1.0 / math.sqrt(head_dim)
+    scores = Scores(mask, score_mod, 1.0 / math.sqrt(head_dim))
 
     def step(kernel, q, k, v, d_out):
-        out, lse = kernel.forward(q, k, v, q_info, kv_info, mask, score_mod, scale)
+        out, lse = kernel.forward(q, k, v, q_info, kv_info, scores)
         if not backward:
             return out, lse
         delta = jnp.sum(out * d_out.astype(jnp.float32), axis=-1)
-        return kernel.backward(
-            q, k, v, lse, delta, d_out, q_info, kv_info, mask, score_mod, scale
-        )
+        return kernel.backward(q, k, v, lse, delta, d_out, q_info, kv_info, scores)
 
     return step, (q, k, v, d_out)
 

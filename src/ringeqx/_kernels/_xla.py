@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._masks import AbstractMask, block_rule, dense_rule
-from .._numbers import as_int
+from .._numbers import as_int, shown
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
-from ._base import AbstractAttentionKernel
+from ._base import AbstractAttentionKernel, Scores
 from ._tiling import Softmax, pad_axis, tile_info
 
 
@@ -228,10 +228,23 @@ class XlaKernel(AbstractAttentionKernel):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"XlaKernel `{name}` must be an integer >= 1; got {value!r}.")
+                raise ValueError(f"XlaKernel `{name}` must be an integer >= 1; got {shown(value)}.")
 
     def devices(self) -> frozenset[str]:
         return frozenset({"cpu", "gpu", "tpu"})
+
+    def runtime_check(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+        *,
+        backward: bool,
+    ) -> None:
+        # Every pair is evaluated from the records themselves: always exact.
+        return None
 
     def forward(
         self,
@@ -240,10 +253,9 @@ class XlaKernel(AbstractAttentionKernel):
         v: Float[Array, "batch kv_heads kv_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         with jax.named_scope("ringeqx_xla_forward"):
             q_len, kh = q.shape[2], k.shape[1]
             bq, nq = _tile_sizes(self.block_q, q_len)
@@ -303,14 +315,13 @@ class XlaKernel(AbstractAttentionKernel):
         d_out: Float[Array, "batch heads q_len head_dim"],
         q_info: TokenInfo,
         kv_info: TokenInfo,
-        mask: AbstractMask,
-        score_mod: AbstractScoreMod | None,
-        scale: float,
+        scores: Scores,
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
         Float[Array, "batch kv_heads kv_len head_dim"],
     ]:
+        mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         with jax.named_scope("ringeqx_xla_backward"):
             q_len, kh, kv_len = q.shape[2], k.shape[1], k.shape[2]
             bq, nq = _tile_sizes(self.block_q, q_len)

@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
 from .._layout import Layout, layout_from_order
+from .._numbers import as_int
 from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import balanced_cuts, is_traced, order_from_pieces, snap_cuts
@@ -97,7 +98,7 @@ class Boundary(AbstractShardingStrategy):
 
     def __init__(self, positions: ArrayLike, capacity: int | None = None):
         self.positions = jnp.asarray(positions)
-        self.capacity = capacity
+        self.capacity = as_int(capacity)
 
     def __check_init__(self):
         pos = self.positions
@@ -124,7 +125,7 @@ class Boundary(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         # Concrete positions (even closed over by an outer jit) allow trace-time checks
         # and the smallest capacity; traced ones are checked when the program runs.
         traced = is_traced(self.positions)

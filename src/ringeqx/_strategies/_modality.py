@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._layout import Layout, _check_ids, layout_from_order
+from .._layout import Layout, check_id_array, layout_from_order
+from .._numbers import as_int
 from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import (
@@ -52,7 +53,7 @@ def _pieces(
 def _flat_spans(span_ids, seq_len: int) -> Int[Array, "batch seq"]:
     if span_ids is None:
         return jnp.full((1, seq_len), -1, jnp.int32)
-    return _check_ids("span_ids", span_ids, seq_len).reshape(-1, seq_len)
+    return check_id_array("span_ids", span_ids, seq_len).reshape(-1, seq_len)
 
 
 @eqx.filter_jit
@@ -116,7 +117,7 @@ class ModalityAware(AbstractShardingStrategy):
     ```
     """
 
-    capacity: int | None = eqx.field(static=True, default=None)
+    capacity: int | None = eqx.field(static=True, default=None, converter=as_int)
     zigzag: bool = eqx.field(static=True, default=True)
 
     def __check_init__(self):
@@ -134,7 +135,7 @@ class ModalityAware(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         # Concrete span ids (even closed over by an outer jit) allow trace-time checks and
         # the smallest capacity; traced ones are checked when the program runs.
         traced = is_traced(span_ids)

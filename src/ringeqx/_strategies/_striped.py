@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._layout import Layout, layout_from_order
+from .._numbers import as_int, shown
 from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._uniform import check_num_shards
@@ -56,11 +57,11 @@ class Striped(AbstractShardingStrategy):
         ```
     """
 
-    stripe: int = eqx.field(static=True, default=1)
+    stripe: int = eqx.field(static=True, default=1, converter=as_int)
 
     def __check_init__(self):
         if not isinstance(self.stripe, int) or self.stripe < 1:
-            raise ValueError(f"Striped `stripe` must be an integer >= 1; got {self.stripe!r}.")
+            raise ValueError(f"Striped `stripe` must be an integer >= 1; got {shown(self.stripe)}.")
 
     def layout(
         self,
@@ -70,5 +71,5 @@ class Striped(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return _striped_layout(self.stripe, seq_len, num_shards, segment_ids, span_ids)

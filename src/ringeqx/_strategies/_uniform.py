@@ -3,19 +3,23 @@
 from jaxtyping import Array, Int
 
 from .._layout import Layout, contiguous_layout
-from .._numbers import check_int32, is_int
+from .._numbers import check_int32, is_int, shown
 from ._base import AbstractShardingStrategy
 
 
-def check_num_shards(seq_len: int, num_shards: int, segment_ids=None, span_ids=None) -> None:
+def check_num_shards(
+    seq_len: int, num_shards: int, segment_ids=None, span_ids=None
+) -> tuple[int, int]:
     """Checks of a strategy's `layout` arguments, before its (jitted) construction traces
-    the ids and their values can no longer be checked."""
+    the ids and their values can no longer be checked; returns `(seq_len, num_shards)`
+    as Python ints (NumPy integers are accepted, booleans are not)."""
     if not is_int(num_shards) or num_shards < 1:
-        raise ValueError(f"`num_shards` must be an integer >= 1; got {num_shards!r}.")
+        raise ValueError(f"`num_shards` must be an integer >= 1; got {shown(num_shards)}.")
     if not is_int(seq_len) or seq_len < 1:
-        raise ValueError(f"`seq_len` must be an integer >= 1; got {seq_len!r}.")
+        raise ValueError(f"`seq_len` must be an integer >= 1; got {shown(seq_len)}.")
     check_int32("segment_ids", segment_ids)
     check_int32("span_ids", span_ids)
+    return int(seq_len), int(num_shards)
 
 
 class Uniform(AbstractShardingStrategy):
@@ -36,7 +40,7 @@ class Uniform(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return contiguous_layout(
             seq_len, num_shards, segment_ids=segment_ids, span_ids=span_ids
         )

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._layout import Layout, _check_ids, layout_from_order
+from .._layout import Layout, check_id_array, layout_from_order
+from .._numbers import as_int, shown
 from .._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import runs
@@ -108,7 +109,7 @@ def _work_balanced_layout(
     if segment_ids is None:
         seg = jnp.zeros((seq_len,), jnp.int32)
     else:
-        seg = _check_ids("segment_ids", segment_ids, seq_len)
+        seg = check_id_array("segment_ids", segment_ids, seq_len)
     batch = seg.shape[:-1]
 
     def order(s):
@@ -169,12 +170,14 @@ class WorkBalanced(AbstractShardingStrategy):
     ```
     """
 
-    chunk: int = eqx.field(static=True, default=128)
-    iterations: int = eqx.field(static=True, default=8000)
+    chunk: int = eqx.field(static=True, default=128, converter=as_int)
+    iterations: int = eqx.field(static=True, default=8000, converter=as_int)
 
     def __check_init__(self):
         if not isinstance(self.chunk, int) or self.chunk < 1:
-            raise ValueError(f"WorkBalanced `chunk` must be an integer >= 1; got {self.chunk!r}.")
+            raise ValueError(
+                f"WorkBalanced `chunk` must be an integer >= 1; got {shown(self.chunk)}."
+            )
         its = self.iterations
         if not isinstance(its, int) or its < 0:
             raise ValueError(f"WorkBalanced `iterations` must be an integer >= 0; got {its!r}.")
@@ -187,7 +190,7 @@ class WorkBalanced(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return _work_balanced_layout(
             seq_len, num_shards, self.chunk, self.iterations, segment_ids, span_ids
         )

@@ -66,5 +66,5 @@ class Zigzag(AbstractShardingStrategy):
         segment_ids: Int[Array, "*batch seq"] | None = None,
         span_ids: Int[Array, "*batch seq"] | None = None,
     ) -> Layout:
-        check_num_shards(seq_len, num_shards, segment_ids, span_ids)
+        seq_len, num_shards = check_num_shards(seq_len, num_shards, segment_ids, span_ids)
         return _zigzag_layout(seq_len, num_shards, segment_ids, span_ids)

@@ -7,13 +7,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._comm import RingConfig
+from .._call import ring_attention
+from .._comm import AllGather, RingConfig, as_ring_config
 from .._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout import Layout
 from .._masks import AbstractMask, Causal
-from .._ring import _resolve_mesh, ring_attention
+from .._mesh import resolve_mesh
+from .._numbers import check_size
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
 from ._rope import apply_rope
@@ -59,7 +61,7 @@ class RingAttention(eqx.Module):
         `"auto"` included) is kept as a name and resolved at each call from the mesh the
         layer runs on, so a TPU or GPU mesh gets its Pallas kernel; anything else is
         resolved here, and an unsupported choice raises at construction.
-    - `config`: a [`ringeqx.RingConfig`][].
+    - `config`: a [`ringeqx.RingConfig`][] or [`ringeqx.AllGather`][].
     - `axis_name`: the ring's mesh axis.
     - `use_bias`: whether the projections have biases.
     - `key`: a `jax.random` key.
@@ -73,7 +75,7 @@ class RingAttention(eqx.Module):
     score_mod: AbstractScoreMod | None
     sinks: Float[Array, " heads"] | None
     kernel: AbstractAttentionKernel | KernelName = eqx.field(static=True)
-    config: RingConfig
+    config: RingConfig | AllGather
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -94,12 +96,16 @@ class RingAttention(eqx.Module):
         kernel: KernelName | AbstractAttentionKernel = "auto",
         device_type: DeviceType = "auto",
         interpret: bool = False,
-        config: RingConfig | None = None,
+        config: RingConfig | AllGather | None = None,
         axis_name: str = "sequence",
         use_bias: bool = False,
         key: PRNGKeyArray,
     ):
+        dim, num_heads = check_size("dim", dim), check_size("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        num_kv_heads = check_size("num_kv_heads", num_kv_heads)
+        if head_dim is not None:
+            head_dim = check_size("head_dim", head_dim)
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 "`num_heads` must be a positive multiple of `num_kv_heads`; got "
@@ -133,6 +139,7 @@ class RingAttention(eqx.Module):
         else:
             self.kernel = select_kernel(kernel, device_type, interpret=interpret)
         self.config = RingConfig() if config is None else config
+        as_ring_config(self.config)  # a clear error for anything else
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -182,7 +189,7 @@ class RingAttention(eqx.Module):
             mask=self.mask,
             sinks=self.sinks,
             layout=layout,
-            order=None if layout is None else "layout",
+            order="original" if layout is None else "layout",
             mesh=mesh,
             axis_name=self.axis_name,
             kernel=self.kernel,
@@ -264,7 +271,7 @@ class RingAttention(eqx.Module):
 
         **Returns:** `(out, keys, values)`: the output `[dim]` and the updated cache.
         """
-        mesh = _resolve_mesh(mesh, self.axis_name)
+        mesh = resolve_mesh(mesh, self.axis_name)
         q, k, v = self._project(x[None], query.positions[None])
         out, keys, values = decode_attention(
             q[0],

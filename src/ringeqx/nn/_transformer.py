@@ -1,5 +1,6 @@
 """A pre-norm transformer block and a small language model on ring attention."""
 
+import warnings
 from typing import Literal
 
 import equinox as eqx
@@ -9,10 +10,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._kvcache import KVCache, cache_capacity, place_cache, prefill_cache, replicated
 from .._layout import Layout, contiguous_layout
+from .._mesh import resolve_mesh
+from .._numbers import check_size
 from .._plan import Plan
-from .._ring import _resolve_mesh
 from .._tokens import TokenInfo
 from ._attention import RingAttention
+from ._options import AttentionOptions
 
 
 class TransformerBlock(eqx.Module):
@@ -35,6 +38,7 @@ class TransformerBlock(eqx.Module):
     def __init__(self, attention: RingAttention, hidden: int, *, key: PRNGKeyArray):
         dim = attention.output_proj.out_features
         assert isinstance(dim, int)
+        hidden = check_size("hidden", hidden)
         k1, k2 = jax.random.split(key)
         self.attention_norm = eqx.nn.RMSNorm(dim)
         self.attention = attention
@@ -109,6 +113,24 @@ def _rematerialise(run, checkpoint):
             raise ValueError(f"Unknown checkpoint setting {checkpoint!r}.")
 
 
+def _options(attention: AttentionOptions | None, kwargs: dict | None) -> AttentionOptions:
+    """The blocks' attention options, from `attention=` or the deprecated dict."""
+    if kwargs is None:
+        return AttentionOptions() if attention is None else attention
+    if attention is not None:
+        raise ValueError(
+            "Pass the attention options once: `attention=` (an AttentionOptions) or the "
+            "deprecated `attention_kwargs=`, not both."
+        )
+    warnings.warn(
+        "`attention_kwargs=` is deprecated: pass "
+        "`attention=ringeqx.nn.AttentionOptions(**attention_kwargs)`.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return AttentionOptions(**kwargs)
+
+
 class RingTransformerLM(eqx.Module):
     """A small decoder-only language model whose attention runs on a ring.
 
@@ -125,9 +147,15 @@ class RingTransformerLM(eqx.Module):
         (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and recomputes
         the rest, ring attention included. `True` or `"block"`: the block keeps only its
         input (activation memory of one block instead of all).
-    - `attention_kwargs`: passed to every [`ringeqx.nn.RingAttention`][] (mask, kernel,
-        ...).
+    - `attention`: the options of every block's [`ringeqx.nn.RingAttention`][] (mask,
+        kernel, ...), an [`ringeqx.nn.AttentionOptions`][] (default: its defaults).
+    - `attention_kwargs`: deprecated: the same options as a dict (a
+        `DeprecationWarning`; pass `attention=AttentionOptions(**attention_kwargs)`).
     - `key`: a `jax.random` key.
+
+    To save a model, use [`ringeqx.nn.save_model`][]: `eqx.tree_serialise_leaves`
+    stores the arrays only, and deserialising them into a model built with another mask
+    or kernel keeps the template's, silently.
     """
 
     embedding: eqx.nn.Embedding
@@ -146,16 +174,19 @@ class RingTransformerLM(eqx.Module):
         num_kv_heads: int | None = None,
         hidden: int | None = None,
         checkpoint: bool | Literal["none", "attention", "block"] = False,
+        attention: AttentionOptions | None = None,
         attention_kwargs: dict | None = None,
         key: PRNGKeyArray,
     ):
+        vocab_size, dim = check_size("vocab_size", vocab_size), check_size("dim", dim)
+        num_layers = check_size("num_layers", num_layers)
+        hidden = 4 * dim if hidden is None else check_size("hidden", hidden)
         keys = jax.random.split(key, 2 * num_layers + 2)
-        kwargs = {} if attention_kwargs is None else attention_kwargs
-        hidden = 4 * dim if hidden is None else hidden
+        attention = _options(attention, attention_kwargs)
         self.embedding = eqx.nn.Embedding(vocab_size, dim, key=keys[0])
         self.blocks = tuple(
             TransformerBlock(
-                RingAttention(dim, num_heads, num_kv_heads, key=keys[2 * i + 1], **kwargs),
+                attention.build(dim, num_heads, num_kv_heads, key=keys[2 * i + 1]),
                 hidden,
                 key=keys[2 * i + 2],
             )
@@ -220,7 +251,7 @@ class RingTransformerLM(eqx.Module):
         last token, and the filled [`ringeqx.KVCache`][], sharded over the ring.
         """
         axis = self.blocks[0].attention.axis_name
-        mesh = _resolve_mesh(mesh, axis)
+        mesh = resolve_mesh(mesh, axis)
         if layout is None:
             layout = contiguous_layout(tokens.shape[0], mesh.shape[axis], segment_ids=segment_ids)
             tokens = layout.shard(tokens)
@@ -259,7 +290,7 @@ class RingTransformerLM(eqx.Module):
         **Returns:** `(logits, cache)`: logits `[vocab]` and the advanced cache.
         """
         axis = self.blocks[0].attention.axis_name
-        mesh = _resolve_mesh(mesh, axis)
+        mesh = resolve_mesh(mesh, axis)
         if cache.num_shards != mesh.shape[axis] or cache.num_layers != len(self.blocks):
             raise ValueError(
                 f"The cache has {cache.num_shards} shards and {cache.num_layers} layers; "
@@ -346,7 +377,9 @@ class RingTransformerLM(eqx.Module):
                 f"vocab_size=)); got a plan of kind {plan.kind!r}."
             )
         assert plan.vocab_size and plan.dim and plan.num_layers
-        attention = {"mask": plan.mask, "kernel": plan.kernel(), "head_dim": plan.head_dim}
+        attention = AttentionOptions(
+            mask=plan.mask, kernel=plan.kernel(), head_dim=plan.head_dim
+        )
         return cls(
             plan.vocab_size,
             plan.dim,
@@ -355,6 +388,6 @@ class RingTransformerLM(eqx.Module):
             num_kv_heads=plan.kv_heads,
             hidden=plan.hidden,
             checkpoint=plan.remat,
-            attention_kwargs=attention,
+            attention=attention,
             key=key,
         )

@@ -1,0 +1,48 @@
+"""`AttentionOptions`: the typed options of the `RingAttention` layers a model builds."""
+
+import dataclasses
+
+import equinox as eqx
+from jaxtyping import PRNGKeyArray
+
+from .._comm import AllGather, RingConfig
+from .._kernels._base import AbstractAttentionKernel
+from .._kernels._select import DeviceType, KernelName
+from .._masks import AbstractMask
+from .._score_mods import AbstractScoreMod
+from ._attention import RingAttention
+
+
+class AttentionOptions(eqx.Module):
+    """Everything about a [`ringeqx.nn.RingAttention`][] but its sizes and key: what a
+    model that builds one per block (a [`ringeqx.nn.RingTransformerLM`][]) passes to
+    each. Each field means what the layer's argument of that name means, with the same
+    default.
+
+    **Example:**
+
+    ```python
+    options = ringeqx.nn.AttentionOptions(mask=ringeqx.SlidingWindow(4096), sinks=True)
+    lm = ringeqx.nn.RingTransformerLM(32000, 512, 8, 4, attention=options, key=key)
+    ```
+    """
+
+    head_dim: int | None = eqx.field(static=True, default=None)
+    mask: AbstractMask | None = None
+    score_mod: AbstractScoreMod | None = None
+    sinks: bool = eqx.field(static=True, default=False)
+    rope_theta: float | None = eqx.field(static=True, default=10000.0)
+    kernel: KernelName | AbstractAttentionKernel = eqx.field(static=True, default="auto")
+    device_type: DeviceType = eqx.field(static=True, default="auto")
+    interpret: bool = eqx.field(static=True, default=False)
+    config: RingConfig | AllGather | None = None
+    axis_name: str = eqx.field(static=True, default="sequence")
+    use_bias: bool = eqx.field(static=True, default=False)
+
+    def build(
+        self, dim: int, num_heads: int, num_kv_heads: int | None, *, key: PRNGKeyArray
+    ) -> RingAttention:
+        """A `RingAttention(dim, num_heads, num_kv_heads, ..., key=key)` with these
+        options (checked there, as if passed to it)."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return RingAttention(dim, num_heads, num_kv_heads, key=key, **options)
