@@ -253,6 +253,11 @@ def test_inference_errors():
                 rx.generate(model, prompt, 2, 0)
         finally:
             jaxtyping.config.update("jaxtyping_disable", False)
+    # Prompts the mesh's batch axis does not divide: said before anything is traced.
+    with jax.set_mesh(mesh(2, 2, names=("batch", "sequence"))):
+        with pytest.raises(ValueError, match="batch size 3 must be divisible by the mesh axis"):
+            rx.generate(model, jnp.stack([prompt] * 3), 2, jax.random.key(0))
+    with jax.set_mesh(mesh(2)):
         vocab = model.embedding.num_embeddings
         with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\).*e.g. {vocab}"):
             rx.generate(model, prompt.at[3].set(vocab), 2, jax.random.key(0))

@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._layout import Layout
-from ._mesh import has_batch_axis, resolve_mesh
+from ._mesh import batch_axis as mesh_batch_axis, resolve_mesh
 from ._numbers import as_int, check_size, concrete_scalar, is_int
 from ._strategies._base import AbstractShardingStrategy
 from ._strategies._uniform import Uniform
@@ -131,7 +131,9 @@ def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_
     prompts = prompt if prompt.ndim == 2 else prompt[None]
     tokens = layout.shard(prompts, axis=-1)
     keys = jax.random.split(key, prompts.shape[0])
-    batch_axis = has_batch_axis(mesh)
+    # Prompts [batch, seq] are sharded over the mesh's "batch" axis, which must divide
+    # them (an error here, not deep inside the scan); one prompt [seq] is not sharded.
+    batch_axis = mesh_batch_axis(mesh, prompt.shape[:-1])
     temperature = jnp.asarray(temperature, jnp.float32)
     return model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis
 

@@ -51,11 +51,6 @@ def batch_axis(mesh, batch_shape: tuple[int, ...]) -> str | None:
     return BATCH_AXIS
 
 
-def has_batch_axis(mesh) -> str | None:
-    """`BATCH_AXIS` where the mesh has it, else None (no divisibility asked)."""
-    return BATCH_AXIS if BATCH_AXIS in mesh.axis_names else None
-
-
 def constrain(x, mesh, spec: PartitionSpec):
     """Put `x` on `spec` where the mesh axes are Explicit (Auto axes need nothing)."""
     types = dict(zip(mesh.axis_names, mesh.axis_types))
