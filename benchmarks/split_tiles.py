@@ -63,9 +63,6 @@ class _SplitTiles(AbstractAttentionKernel):
     def backward(self, *args):
         return self.bwd.backward(*args)
 
-    def runtime_check(self, *args, backward):
-        return None  # XlaKernel makes none
-
 
 def _kernel(pair: str) -> _SplitTiles:
     try:

@@ -695,9 +695,6 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
     def backward(self, *args):
         return rx.XlaKernel(self.block_q, self.block_kv).backward(*args)
 
-    def runtime_check(self, *args, backward):
-        return None
-
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(4, 8), (8, 4)]
 

@@ -67,7 +67,6 @@ class AbstractAttentionKernel(eqx.Module):
         platform also checks, when it is lowered, that it is lowered for that platform.
         """
 
-    @abc.abstractmethod
     def runtime_check(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
@@ -90,8 +89,11 @@ class AbstractAttentionKernel(eqx.Module):
         `flag` is True on any of them.
 
         **Returns:** None where no run-time check is made (decided when traced), else
-        `(flag, message)`: `flag` True where the kernel's own check would fail.
+        `(flag, message)`: `flag` True where the kernel's own check would fail. The
+        default returns None, right for a kernel that makes no run-time check (the
+        Pallas kernels override it).
         """
+        return None
 
     @abc.abstractmethod
     def forward(

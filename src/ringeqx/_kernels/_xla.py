@@ -233,19 +233,6 @@ class XlaKernel(AbstractAttentionKernel):
     def devices(self) -> frozenset[str]:
         return frozenset({"cpu", "gpu", "tpu"})
 
-    def runtime_check(
-        self,
-        q: Float[Array, "batch heads q_len head_dim"],
-        k: Float[Array, "batch kv_heads kv_len head_dim"],
-        q_info: TokenInfo,
-        kv_info: TokenInfo,
-        scores: Scores,
-        *,
-        backward: bool,
-    ) -> None:
-        # Every pair is evaluated from the records themselves: always exact.
-        return None
-
     def forward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
