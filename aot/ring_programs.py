@@ -219,3 +219,43 @@ def compile_ring(mesh, cases: list[RingCase]) -> str:
                for c in cases):
             assert any(f"{bits}[" in line for line in permutes), wire
     return text
+
+
+# ----------------------------------------------------------------------------------
+# Trainable modifiers and biases.
+
+
+def compile_trainable(mesh, *, seq: int = RING_SEQ, head_dim: int = 128) -> str:
+    """Compile `jax.grad` of a ring loss over q, k, v *and* trainable score-modifier
+    leaves (ALiBi slopes, a softcap given as an array) on `mesh` (`kernel="auto"`;
+    `bias=`, a table looked up by key position, is a gather that neither Triton nor
+    Mosaic lowers, and the Pallas kernels refuse it when traced), in bfloat16 with GQA 4:1 and `Causal & Document`; check
+    that the Pallas kernels and the modifier's gradient pass are both in the scheduled
+    HLO and that nothing gathers the sequence; return the compiled text."""
+    platform = mesh_device_type(mesh)
+    heads, kv_heads = 4, 1
+    sharded = NamedSharding(mesh, P(None, "sequence"))
+    segments = packed_segments(seq, [seq // 3, seq // 2, seq])[None]
+
+    def loss(q, k, v, params):
+        mod = rx.Chain(rx.ALiBi(params["slopes"]), rx.Softcap(params["cap"]))
+        out = rx.ring_attention(
+            q, k, v, mask=rx.Causal() & rx.Document(), segment_ids=segments, mesh=mesh,
+            score_mod=mod,
+        )
+        return out.astype(jnp.float32).sum()
+
+    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.bfloat16, sharding=sharded)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), jnp.bfloat16, sharding=sharded)
+    params = dict(
+        slopes=jax.ShapeDtypeStruct((heads,), jnp.float32),
+        cap=jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    text = grad.lower(q, kv, kv, params).compile().as_text()
+    assert "all-gather" not in text
+    assert "collective-permute" in text
+    assert {name.search(line).group(1) for line in all_kernel_calls(text, platform)
+            for name in [_KERNEL_CALLS[platform][1]]} == kernel_names(platform)
+    assert "ringeqx_score_mod_grads" in text
+    return text

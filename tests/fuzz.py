@@ -78,6 +78,9 @@ class Config:
     `["and", a, b]`, `["or", a, b]`. Array parameters (the prefix length, the block map)
     come from `data_seed`, as do the inputs, segment and span ids and `Boundary` breaks.
     `score_mod` is `"none"`, `"softcap"`, `"alibi"` or `"chain"` (ALiBi then softcap).
+    `bias`: a `bias=` per key and head (`[1, heads, 1, seq]`, run before the modifier).
+    `trainable`: the modifier's leaves (cap, slopes) and the bias are differentiated too,
+    and their gradients compared.
     """
 
     devices: int
@@ -98,6 +101,8 @@ class Config:
     sinks: bool
     compression: bool
     data_seed: int
+    bias: bool = False
+    trainable: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -178,6 +183,8 @@ def draw_config(seed: int, index: int) -> Config:
         sinks=bool(r.random() < 0.3),
         compression=bool(dtype == "float32" and r.random() < 0.2),
         data_seed=int(_rng(seed, index, 2).integers(0, 2**31)),
+        bias=bool(r.random() < 0.3),
+        trainable=bool(r.random() < 0.5),
     )
 
 
@@ -235,6 +242,7 @@ def build_arrays(c: Config) -> dict[str, Any]:
         cap=np.float32(r.uniform(0.5, 4.0)),
         slopes=r.uniform(0.01, 0.5, size=c.heads).astype(np.float32),
         sinks=r.uniform(-2.0, 2.0, size=c.heads).astype(np.float32),
+        bias=r.uniform(-1.0, 1.0, size=(c.heads, c.seq)).astype(np.float32),
     )
 
 
@@ -388,6 +396,8 @@ def dense_attention(c: Config, q, k, v, sinks, extra):
 
     allowed = lift(allowed)
     dist = jnp.abs(pos[:, None] - pos[None, :]).astype(jnp.float32)
+    if c.bias:
+        s = s + lift(extra["bias"][:, None, :])
     if c.score_mod in ("alibi", "chain"):
         s = s - lift(extra["slopes"][:, None, None] * dist[None])
     if c.score_mod in ("softcap", "chain"):
@@ -421,7 +431,6 @@ def _compare(c_static, kernel, mesh, layout, arrays):
     c = c_static
     q, k, v, ct = arrays["q"], arrays["k"], arrays["v"], arrays["ct"]
     config = rx.RingConfig(compression_dtype=jnp.bfloat16 if c.compression else None)
-    mod = ring_score_mod(c.score_mod, arrays["cap"], arrays["slopes"])
 
     def shard(x):
         if c.batched_ids:
@@ -433,24 +442,33 @@ def _compare(c_static, kernel, mesh, layout, arrays):
             return jax.vmap(rx.Layout.unshard)(layout, y)
         return jax.vmap(layout.unshard)(y) if c.batch else layout.unshard(y)
 
-    def ring(q, k, v, sinks):
+    def ring(q, k, v, sinks, params):
         out = rx.ring_attention(
             shard(q), shard(k), shard(v),
             mask=ring_mask(c.mask, iter(arrays["mask_params"])),
-            layout=layout, order="layout", mesh=mesh, kernel=kernel, config=config, score_mod=mod,
+            layout=layout, order="layout", mesh=mesh, kernel=kernel, config=config,
+            score_mod=ring_score_mod(c.score_mod, params["cap"], params["slopes"]),
             sinks=sinks if c.sinks else None,
+            bias=params["bias"][None, :, None, :] if c.bias else None,
         )
         return unshard(out)
 
-    def dense(q, k, v, sinks):
-        return dense_attention(c, q, k, v, sinks, arrays)
+    def dense(q, k, v, sinks, params):
+        return dense_attention(c, q, k, v, sinks, {**arrays, **params})
+
+    def value_and_grads(f, q, k, v, sinks, params, ct):
+        # Differentiated leaves take the ring's extra pass; closed-over ones must not.
+        if c.trainable:
+            out, vjp = jax.vjp(f, q, k, v, sinks, params)
+            return out, vjp(ct)
+        out, vjp = jax.vjp(lambda q, k, v, sinks: f(q, k, v, sinks, params), q, k, v, sinks)
+        return out, (*vjp(ct), jax.tree.map(jnp.zeros_like, params))
 
     sinks = arrays["sinks"]
-    out, vjp = jax.vjp(ring, q, k, v, sinks)
-    grads = vjp(ct)
+    params = {name: arrays[name] for name in ("cap", "slopes", "bias")}
+    out, grads = value_and_grads(ring, q, k, v, sinks, params, ct)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref, ref_vjp = jax.vjp(dense, *f32, sinks)
-    ref_grads = ref_vjp(ct.astype(jnp.float32))
+    ref, ref_grads = value_and_grads(dense, *f32, sinks, params, ct.astype(jnp.float32))
     return (out, *grads), (ref, *ref_grads)
 
 
@@ -479,7 +497,22 @@ def tolerance(c: Config) -> tuple[float, float]:
     return 2e-5, 5e-5
 
 
-NAMES = ("out", "dq", "dk", "dv", "dsinks")
+NAMES = ("out", "dq", "dk", "dv", "dsinks", "dparams")
+
+
+def _compared(c: Config, name: str) -> bool:
+    """Whether the output or gradient `name` (of NAMES, or `dparams.<leaf>`) is checked."""
+    match name:
+        case "dsinks":
+            return c.sinks
+        case "dparams.cap":
+            return c.trainable and c.score_mod in ("softcap", "chain")
+        case "dparams.slopes":
+            return c.trainable and c.score_mod in ("alibi", "chain")
+        case "dparams.bias":
+            return c.trainable and c.bias
+        case _:
+            return True
 
 
 def check(c: Config) -> str | None:
@@ -502,8 +535,11 @@ def check(c: Config) -> str | None:
         return f"raised {type(e).__name__}: {str(e).splitlines()[0][:300]}"
     tol_out, tol_grad = tolerance(c)
     problems = []
-    for name, g, w in zip(NAMES, got, want):
-        if name == "dsinks" and not c.sinks:
+    named = list(zip(NAMES, got, want))
+    params = named.pop()[1:]
+    named += [(f"dparams.{key}", params[0][key], params[1][key]) for key in sorted(params[0])]
+    for name, g, w in named:
+        if not _compared(c, name):
             continue
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         if not np.all(np.isfinite(g)):
@@ -589,6 +625,10 @@ def _candidates(c: Config) -> Iterator[Config]:
         yield r(c, score_mod="softcap")
     if c.sinks:
         yield r(c, sinks=False)
+    if c.trainable:
+        yield r(c, trainable=False)
+    if c.bias:
+        yield r(c, bias=False)
     if c.compression:
         yield r(c, compression=False)
     if c.dtype != "float32":

@@ -380,8 +380,9 @@ def ring_attention(
         zero (as there). They travel as segment ids (or span ids, when the mask or
         `segment_ids=` use segments), so they need no `layout=`.
     - `bias`: one that broadcasts over the queries, `[1, heads or 1, 1, seq]`, becomes a
-        score modifier (run before `score_mod`; a constant, no gradient); one constant
-        along the keys (`[..., 1]`) leaves softmax unchanged and is dropped. A bias over
+        score modifier (run before `score_mod`, and trainable: its gradient is exact);
+        one constant along the keys (`[..., 1]`) leaves softmax unchanged (its gradient
+        is zero) and is dropped. A bias over
         queries and keys, or per example, and a boolean `mask` array are refused: they
         cannot be ring-sharded (the error says what to use).
     - `implementation`: refused; the kernel is chosen by `kernel=` and `device_type=`.

@@ -250,7 +250,10 @@ def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict):
     if new is not None and (mask is None or isinstance(mask, AbstractMask)):
         mask = new if mask is None else mask & new
     if len(q_shape) >= 3:
-        bias = _bias_mod(compat["bias"], q_shape[:-3], q_shape[-3], q_shape[-2])
+        # A bias is indexed by the keys' original positions: as long as the sequence
+        # (with a layout, its `seq_len`, whatever the order and padding of q).
+        seq = q_shape[-3] if layout is None else layout.seq_len
+        bias = _bias_mod(compat["bias"], q_shape[:-3], seq, q_shape[-2])
         if bias is not None:
             score_mod = bias if score_mod is None else Chain(bias, score_mod)
     return mask, score_mod, segment_ids, span_ids

@@ -8,12 +8,14 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from ._balance import from_zigzag, to_zigzag
 from ._comm import RingPlan
 from ._kernels._base import Scores
+from ._kernels._xla import score_mod_grads
 from ._layout import Layout
 from ._masks import AbstractMask, block_rule
 from ._mesh import constrain
@@ -176,32 +178,76 @@ def _ring(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
     return _ring_forward(st, q, k, v, q_info, kv_info, scores)
 
 
+class _Differentiated(eqx.Module):
+    """Which leaves of the score modifier the caller differentiates (a residual of the
+    custom VJP: static, one flag per leaf)."""
+
+    flags: tuple[bool, ...] = eqx.field(static=True)
+
+    def spec(self, score_mod):
+        """The flags as a filter spec of `score_mod` (for `eqx.partition`), or None when
+        no leaf is differentiated."""
+        if not any(self.flags):
+            return None
+        return jax.tree.unflatten(jax.tree.structure(score_mod), self.flags)
+
+
 def _ring_fwd(st, q, k, v, q_info, kv_info, scores):
+    # Symbolic zeros tell which inputs are differentiated: the modifier's leaves that are
+    # get their gradient from an extra pass in the backward; the others cost nothing.
+    def differentiated(p):
+        return p.perturbed and jnp.issubdtype(jnp.result_type(p.value), jnp.inexact)
+
+    flags = tuple(differentiated(p) for p in jax.tree.leaves(scores.score_mod))
+    q, k, v, q_info, kv_info, scores = jax.tree.map(
+        lambda p: p.value, (q, k, v, q_info, kv_info, scores)
+    )
     out, lse = _ring_forward(st, q, k, v, q_info, kv_info, scores)
-    return (out, lse), (q, k, v, q_info, kv_info, scores, out, lse)
+    return (out, lse), (q, k, v, q_info, kv_info, scores, out, lse, _Differentiated(flags))
 
 
-def _backward_block(st: RingSettings, q, lse, delta, d_out, q_info, scores: Scores, k, v, kv_info):
-    """dQ, dK, dV of one block (zeros where the mask rules the whole block out)."""
+def _zero_mod_grads(score_mod, diff):
+    """Float32 zeros for the differentiated leaves of `score_mod` (None when `diff`, their
+    filter spec, is None)."""
+    if diff is None:
+        return None
+    params, _ = eqx.partition(score_mod, diff)
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), params)
+
+
+def _backward_block(
+    st: RingSettings, q, lse, delta, d_out, q_info, scores: Scores, diff, k, v, kv_info
+):
+    """dQ, dK, dV of one block (zeros where the mask rules the whole block out), and with
+    `diff` (a filter spec of the score modifier's differentiated leaves) their gradients."""
 
     def run(_):
-        return st.kernel.backward(
-            q, k, v, lse, delta, d_out, q_info, kv_info, scores
-        )
+        grads = st.kernel.backward(q, k, v, lse, delta, d_out, q_info, kv_info, scores)
+        if diff is None:
+            return grads, None
+        mod = score_mod_grads(q, k, v, lse, delta, d_out, q_info, kv_info, scores, diff)
+        return grads, mod
 
     def skip(_):
-        return (
+        grads = (
             jnp.zeros_like(q, jnp.float32),
             jnp.zeros_like(k, jnp.float32),
             jnp.zeros_like(v, jnp.float32),
         )
+        return grads, _zero_mod_grads(scores.score_mod, diff)
 
     return jax.lax.cond(_may_attend(scores.mask, q_info, kv_info), run, skip, None)
 
 
+def _instantiate(ct):
+    """A cotangent as an array: symbolic zeros (`defvjp(..., symbolic_zeros=True)`) mark
+    an output nobody reads."""
+    return jnp.zeros(ct.shape, ct.dtype) if isinstance(ct, SymbolicZero) else ct
+
+
 def _ring_bwd(st: RingSettings, res, cts):
-    q, k, v, q_info, kv_info, scores, out, lse = res
-    d_out, d_lse = cts
+    q, k, v, q_info, kv_info, scores, out, lse, differentiated = res
+    d_out, d_lse = (_instantiate(ct) for ct in cts)
     plan = st.plan(k.shape[2])
     axes = _kv_axes(kv_info)
     acc_axes = (2, 2)
@@ -209,24 +255,26 @@ def _ring_bwd(st: RingSettings, res, cts):
     delta = jnp.sum(d_out * out, axis=-1) - d_lse
     d_out = d_out.astype(q.dtype)
 
+    diff = differentiated.spec(scores.score_mod)
     compute = functools.partial(
-        _backward_block, st, q, lse, delta, d_out, q_info, scores
+        _backward_block, st, q, lse, delta, d_out, q_info, scores, diff
     )
     grad_dt = st.config.grad_compression_dtype
     grad_dt = None if grad_dt == jnp.float32 else grad_dt
 
-    def hop(groups, accs, pending, dq, *, send_kv: bool, send_acc: bool):
+    def hop(groups, accs, pending, local, *, send_kv: bool, send_acc: bool):
         """One step on the K/V `groups` held, group by group as in the forward. dK/dV
         travel one step behind their K/V: what this device adds to the accumulator of
         the previous step's block (`accs` received plus its `pending` part) leaves now,
-        so that neither transfer waits for this step's kernel and both hide behind it."""
+        so that neither transfer waits for this step's kernel and both hide behind it.
+        `local` is what stays on the device: dQ and the modifier's gradients."""
         out_groups, out_accs, out_pending = (), (), ()
         groups, accs, pending = _checked(
             st, (groups, accs, pending), groups, q, q_info, scores, backward=True
         )
         rest = groups
         for i in range(len(groups)):
-            done = (rest, dq, out_groups, out_accs, out_pending)
+            done = (rest, local, out_groups, out_accs, out_pending)
             kv_wire, kv_layouts, acc_wire, acc_layouts = [], (), [], ()
             if send_kv:
                 kv_wire, kv_layouts, done = plan.send(
@@ -235,14 +283,14 @@ def _ring_bwd(st: RingSettings, res, cts):
             if send_acc:
                 out = jax.tree.map(jnp.add, accs[i], pending[i])
                 acc_wire, acc_layouts, done = plan.send(out, i, acc_axes, grad_dt, done)
-            rest, dq, out_groups, out_accs, out_pending = done
+            rest, local, out_groups, out_accs, out_pending = done
             held = rest[0]
             new = compute(*held)
             new, kv_wire, acc_wire, rest = jax.lax.optimization_barrier(
                 (new, kv_wire, acc_wire, rest[1:])
             )
-            dq_s, dk, dv = new
-            dq = dq + dq_s
+            (dq, dk, dv), mod = new
+            local = jax.tree.map(jnp.add, local, (dq, mod))
             out_pending += ((dk, dv),)
             out_groups += (plan.receive(kv_wire, kv_layouts, axes) if send_kv else held,)
             # Before any accumulator arrives (step 0), the device's own part is all.
@@ -251,11 +299,12 @@ def _ring_bwd(st: RingSettings, res, cts):
                 if send_acc
                 else (jnp.zeros_like(dk), jnp.zeros_like(dv)),
             )
-        return out_groups, out_accs, out_pending, dq
+        return out_groups, out_accs, out_pending, local
 
     n = st.num_steps
     groups = plan.start((k, v, kv_info), axes)
-    state = hop(groups, None, None, jnp.zeros_like(q, jnp.float32), send_kv=n > 1, send_acc=False)
+    local = (jnp.zeros_like(q, jnp.float32), _zero_mod_grads(scores.score_mod, diff))
+    state = hop(groups, None, None, local, send_kv=n > 1, send_acc=False)
     if n > 2:
 
         def step(state, _):
@@ -264,7 +313,7 @@ def _ring_bwd(st: RingSettings, res, cts):
         state, _ = jax.lax.scan(step, state, None, length=n - 2)
     if n > 1:
         state = hop(*state, send_kv=False, send_acc=True)
-    _, accs, pending, dq = state
+    _, accs, pending, (dq, mod) = state
     accs = jax.tree.map(jnp.add, accs, pending)
     dk, dv = plan.home(accs, acc_axes)
     return (
@@ -273,11 +322,24 @@ def _ring_bwd(st: RingSettings, res, cts):
         dv.astype(v.dtype),
         None,
         None,
-        None,
+        _scores_cotangent(scores, diff, mod),
     )
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+def _scores_cotangent(scores: Scores, diff, mod):
+    """The cotangent of `scores`: None, or the modifier's gradients `mod` (float32, this
+    device's share) cast to their leaves' dtypes, with None for every other leaf.
+    `shard_map` sums the cotangent of its replicated input over the mesh, so every query
+    of every device counts once."""
+    if mod is None:
+        return None
+    params, _ = eqx.partition(scores.score_mod, diff)
+    mod = jax.tree.map(lambda g, x: g.astype(jnp.result_type(x)), mod, params)
+    d_scores = jax.tree.map(lambda _: None, scores)
+    return eqx.tree_at(lambda s: s.score_mod, d_scores, mod, is_leaf=lambda x: x is None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
 def _broadcast_info(info: TokenInfo, batch: int) -> TokenInfo:
@@ -341,7 +403,17 @@ def _ulysses(st: RingSettings, q, k, v, info, scores: Scores, cast, with_lse: bo
 def run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
     """The ring of a resolved call on each device, over
     `[batch, seq, heads, head_dim]` q/k/v in layout order; the result, in that order, is
-    typed like q. The ring algorithm's one entry: everything before it is resolution."""
+    typed like q. The ring algorithm's one entry: everything before it is resolution.
+
+    Always traced (`eqx.filter_jit`; inside a caller's `jit` it is inlined): the custom
+    VJP learns which score-modifier leaves are differentiated from symbolic zeros, which
+    JAX supports inside a traced `shard_map` only, and a called-eagerly ring then runs
+    as one compiled program rather than op by op."""
+    return _run(call, qkv)
+
+
+@eqx.filter_jit
+def _run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
     st, mesh, scores, sinks = call.settings, call.mesh, call.scores, call.sinks
     dtype = qkv[0].dtype
     seq_spec, info_spec = _specs(st, call.batch_axis)

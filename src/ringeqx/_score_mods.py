@@ -19,10 +19,13 @@ class AbstractScoreMod(eqx.Module):
     positions and the head index is exact under the ring. Masked pairs are removed after
     the modifier, so it never needs to mask itself.
 
-    The modifier's own array fields (a cap, ALiBi slopes) are constants to the ring: the
-    gradient of `ring_attention` with respect to them is zero. Attention sinks, which are
-    trained, are not a score modifier but the `sinks=` argument of
-    [`ringeqx.ring_attention`][], which differentiates them exactly.
+    The modifier's floating array fields (a cap, ALiBi slopes, a user modifier's
+    parameters) are trainable: where a caller differentiates them, the ring's backward
+    adds one pass in plain JAX over the tiles of each step, whatever the kernel, which
+    turns the logits' gradient into theirs through the modifier's own VJP and sums it
+    round the ring (`jax.vjp` of `__call__`, so it must be differentiable in them). Where
+    no leaf is differentiated, the pass is not built and costs nothing. Attention sinks
+    are the `sinks=` argument of [`ringeqx.ring_attention`][], not a modifier.
 
     Subclass it to write your own (implement `__call__`, `for_head` and `check`, and
     `for_heads` if it has per-head parameters); combine several with [`ringeqx.Chain`][].
@@ -133,7 +136,7 @@ class ALiBi(AbstractScoreMod):
 
     - `slopes`: `float[heads]`, one slope per query head (the paper uses
         $m_h = 2^{-8 (h + 1) / \text{heads}}$). Its length must equal the number of query
-        heads. The slopes are constants to the ring (not trained through it).
+        heads. They can be trained: the ring gives them their exact gradient.
 
     ??? cite "ALiBi"
 
