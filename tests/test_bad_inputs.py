@@ -520,6 +520,8 @@ def test_both_orders_give_the_reference():
         (lambda: rx.table2(kv_dtype="bf17"), r"`kv_dtype` must be a floating dtype .*'bf17'"),
         (lambda: rx.plan(64, 8, heads=8, head_dim=64, dtype="int8", max_memory_usage=2**30),
          r"`dtype` must be a floating dtype .*'int8'"),
+        (lambda: rx.plan(64, 8, heads=8, dim=100, num_layers=1, vocab_size=16),
+         r"`dim`=100 is not a multiple of `heads`=8"),
     ],
 )  # fmt: skip
 def test_cost_model_sizes_are_checked(make, match):

@@ -2,6 +2,7 @@
 """`ring_overlap` on hand-written scheduled HLO: the parser is tested here without the
 compilers (aot/test_tpu_overlap.py reads what libtpu really emits)."""
 
+import jax
 import pytest
 
 import ringeqx as rx
@@ -78,5 +79,9 @@ def test_no_permutes_is_not_overlap():
 
 
 def test_not_text_is_a_clear_error():
-    with pytest.raises((TypeError, AttributeError)):
+    with pytest.raises(TypeError, match="compiled"):  # (the test run's type checker is first)
         rx.ring_overlap(42)
+    # StableHLO (what `lower(...).as_text()` gives) is not the scheduled HLO: no ENTRY.
+    stablehlo = jax.jit(lambda x: x + 1).lower(1.0).as_text()
+    with pytest.raises(ValueError, match=r"`hlo` must be the text of a compiled HLO module"):
+        rx.ring_overlap(stablehlo)

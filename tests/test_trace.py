@@ -2,8 +2,10 @@ import contextlib
 import glob
 import io
 import os
+import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType
 
@@ -61,3 +63,27 @@ def test_cli_report_profile(tmp_path):
     assert text.index("A100 InfiniBand") < text.index("collective: collective-permute")
     assert glob.glob(str(tmp_path / "dump" / "*after_optimizations.txt"))
     assert glob.glob(str(tmp_path / "trace" / "**" / "*.trace.json.gz"), recursive=True)
+
+
+def test_profile_program_folder_errors_leave_the_profiler_usable(tmp_path):
+    # A file where a folder is expected (the trace's, the dump's, or a parent): an error
+    # naming the argument and the path, before the profiler starts; the next profile in
+    # this process works (a trace that failed to write used to leave JAX's profiler
+    # session open: "Profile has already been started").
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    x = jnp.ones((4, 4))
+    for name, path in [
+        ("trace_dir", str(a_file)),
+        ("dump_dir", str(a_file)),
+        ("trace_dir", str(a_file / "sub")),
+    ]:
+        with pytest.raises(
+            ValueError,
+            match=f"`{name}` must be a folder that files can be written to; got "
+            f"{re.escape(repr(path))}",
+        ):
+            rx.profile_program(lambda x: x @ x, x, repeats=1, **{name: path})
+    trace = str(tmp_path / "trace")
+    profile = rx.profile_program(lambda x: x @ x, x, repeats=1, trace_dir=trace)
+    assert profile.trace_file.startswith(trace)

@@ -9,6 +9,9 @@ functions that run a command.
 import argparse
 import math
 import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,20 +37,54 @@ def _join_distributed(args: argparse.Namespace) -> None:
 
     Must run before anything touches devices. Without `--coordinator-address` on CPU,
     JAX may still detect a cluster itself (SLURM, TPU pods); with neither, nothing
-    happens and the demo runs in this process alone.
+    happens and the demo runs in this process alone. It says what it waits for, and
+    gives up after `--timeout` seconds with the coordinator's address.
     """
     if args.coordinator_address is None and args.num_processes is None:
         return
+    import threading
+
     import jax
 
     if args.device_type in ("auto", "cpu"):
         # Cross-process collectives between CPU devices go through gloo.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator_address,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-    )
+    where = args.coordinator_address or "the coordinator JAX detects"
+    n = args.num_processes
+    if n is None:
+        waiting = f"waiting for the other processes at {where}"
+    elif args.process_id == 0:
+        more = f"{n - 1} more process{'es' if n > 2 else ''}"
+        waiting = f"process 0 of {n}: waiting for {more} at {where}"
+    else:
+        waiting = f"process {args.process_id} of {n}: joining process 0 at {where}"
+    _say(f"      {waiting} (--timeout {args.timeout:g} s)...")
+
+    def give_up() -> None:
+        # JAX's own timeout aborts the process with a C++ stack trace; this comes first.
+        print(
+            f"ringeqx demo: error: not every process joined at {where} within --timeout "
+            f"{args.timeout:g} s. Start each of the --num-processes with the same "
+            "--coordinator-address and its own --process-id, or raise --timeout.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(args.timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=n,
+            process_id=args.process_id,
+            initialization_timeout=math.ceil(args.timeout) + 30,
+        )
+    except (ValueError, RuntimeError) as error:
+        raise SystemExit(f"ringeqx demo: error: cannot join at {where}: {error}") from None
+    finally:
+        timer.cancel()
     args.devices = jax.device_count()  # the ring spans every process's devices
     _say(
         f"      process {jax.process_index()} of {jax.process_count()}: "
@@ -240,6 +277,8 @@ def demo(args: argparse.Namespace) -> int:
     platform = _platform(args.device_type)
     mesh = _ring_mesh(args.devices, platform)
     num_devices = mesh.shape["sequence"]
+    if args.seq_len % num_devices:  # fewer devices than --devices, or another process's
+        args.parser.error(_indivisible(args.seq_len, num_devices))
     device = mesh.devices.flat[0]
     _say(
         f"      JAX {jax.__version__}, ringeqx {ringeqx.__version__}; ring of "
@@ -315,6 +354,8 @@ def bench(args: argparse.Namespace) -> int:
     platform = _platform(args.device_type)
     mesh = _ring_mesh(args.devices, platform)
     num_devices = mesh.shape["sequence"]
+    if args.seq_len % num_devices:  # fewer devices than --devices, or another process's
+        args.parser.error(_indivisible(args.seq_len, num_devices))
     # Tile sizes given on the command line mean the XLA kernel; otherwise `device_type`
     # picks the kernel (and its default tiles).
     kernel: Any = "auto"
@@ -495,6 +536,24 @@ def generate(args: argparse.Namespace) -> int:
     ok = error < 1e-3
     _say("  OK" if ok else "  MISMATCH against the full recomputation")
     return 0 if ok else 1
+
+
+# `ringeqx.plan`'s arguments, as `ringeqx plan` spells them.
+_PLAN_FLAGS = (
+    (r"max_memory_usage=([\d.,]+) MiB", r"--max-memory-mib \1"),
+    (r"\bmax_memory_usage\b", "--max-memory-mib"),
+    (r"\bseq_len=", "--seq-len "),
+    (r"\bnum_devices=", "--devices "),
+)
+
+
+def _in_flags(message: str) -> str:
+    """A message of `ringeqx.plan` with its argument names replaced by the flags."""
+    for pattern, flag in _PLAN_FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
 def plan(args: argparse.Namespace) -> int:
     """`ringeqx plan`: the memory plan of a problem, as a table or as JSON."""
     import json
@@ -526,27 +585,65 @@ def plan(args: argparse.Namespace) -> int:
             **lm,
         )
     except ValueError as error:
-        _say(f"ringeqx plan: {error}")
+        _say(f"ringeqx plan: {_in_flags(str(error))}")
         return 1
     _say(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
     return 0
 
 
+# Argument types: their errors become `ringeqx CMD: error: argument --FLAG: ...` (exit
+# status 2, no traceback). Each raises ArgumentTypeError, never ValueError, which argparse
+# would report under the function's own name.
+
+
+def _integer(text: str, least: int, most: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least or (most is not None and value > most):
+        expected = f">= {least}" if most is None else f"in {least} .. {most}"
+        raise argparse.ArgumentTypeError(f"must be an integer {expected}; got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    return _integer(text, 1)
+
+
+def _index(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _seed(text: str) -> int:
+    return _integer(text, 0, 2**32 - 1)
+
+
+def _number(text: str, kind: str, zero: bool = False, note: str = "") -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite {kind} {'>=' if zero else '>'} 0{note}; got {text!r}"
+        )
     return value
 
 
 def _budget_mib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB; got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of MiB > 0; got {text}")
+    value = _number(text, "number of MiB")
+    if value * 2**20 < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte (in MiB); got {text!r}")
     return value
+
+
+def _seconds(text: str) -> float:
+    return _number(text, "number of seconds")
+
+
+def _temperature(text: str) -> float:
+    return _number(text, "number", zero=True, note=" (0 for greedy decoding)")
 
 
 def _float_dtype(text: str) -> str:
@@ -555,6 +652,33 @@ def _float_dtype(text: str) -> str:
     if text not in names:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}; got {text!r}")
     return text
+
+
+def _address(text: str) -> str:
+    host, colon, port = text.rpartition(":")
+    if not (host and colon and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(
+            f"must be HOST:PORT, with a port in 1 .. 65535 (e.g. 10.0.0.1:1234); got {text!r}"
+        )
+    return text
+
+
+def _writable_folder(flag: str, path: str) -> str | None:
+    """Make the folder `path` (and its parents) and check that files can be written
+    there; what went wrong, naming `flag`, or None. Before anything runs: a profiler
+    that fails on its output folder leaves JAX unable to profile again."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        found = os.path.exists(path) and not os.path.isdir(path)
+        why = "a file, not a folder" if found else error.strerror or str(error)
+        return (
+            f"argument {flag}: must be a folder that files can be written to; got "
+            f"{path!r} ({why})"
+        )
+    return None
 
 
 # Device profiles of `ringeqx plan --profile` (the keys of ringeqx.HARDWARE, written here
@@ -595,23 +719,29 @@ def _demo_arguments(demo_parser: argparse.ArgumentParser) -> None:
     demo_parser.add_argument(
         "--check-len", type=_positive, default=2048, help="tokens for the dense check"
     )
-    demo_parser.add_argument("--seed", type=int, default=0)
+    demo_parser.add_argument("--seed", type=_seed, default=0)
     multi = demo_parser.add_argument_group(
         "multi-process", "join a jax.distributed run (see docs/multi_host.md); the ring "
         "then spans every process's devices"
     )
     multi.add_argument(
-        "--coordinator-address", default=None, metavar="HOST:PORT",
+        "--coordinator-address", type=_address, default=None, metavar="HOST:PORT",
         help="process 0's address, e.g. 10.0.0.1:1234 (omit where JAX detects the "
         "cluster: SLURM, TPU pods)",
     )
     multi.add_argument("--num-processes", type=_positive, default=None)
-    multi.add_argument("--process-id", type=int, default=None, help="0 .. num-processes - 1")
+    multi.add_argument(
+        "--process-id", type=_index, default=None, help="0 .. num-processes - 1"
+    )
     multi.add_argument(
         "--local-devices", type=_positive, default=None,
         help="fake CPU devices in this process (default: --devices)",
     )
-    demo_parser.set_defaults(run=demo)
+    multi.add_argument(
+        "--timeout", type=_seconds, default=60.0, metavar="SECONDS",
+        help="how long to wait for every process to join (default: 60)",
+    )
+    demo_parser.set_defaults(run=demo, parser=demo_parser)
 
 
 def _bench_arguments(bench_parser: argparse.ArgumentParser) -> None:
@@ -619,16 +749,20 @@ def _bench_arguments(bench_parser: argparse.ArgumentParser) -> None:
     bench_parser.add_argument("--reps", type=_positive, default=3)
     bench_parser.add_argument("--block-q", type=_positive, default=None)
     bench_parser.add_argument("--block-kv", type=_positive, default=None)
-    bench_parser.set_defaults(run=bench)
+    bench_parser.set_defaults(run=bench, parser=bench_parser)
 
 
 def _report_arguments(report_parser: argparse.ArgumentParser) -> None:
     _common(report_parser, seq_len=8192, heads=8, kv_heads=2)
     report_parser.add_argument("--mask", choices=("causal", "full"), default="causal")
-    report_parser.add_argument("--dtype", default="bfloat16", help="q/k/v dtype")
-    report_parser.add_argument("--compression", default=None, help="K/V wire dtype")
     report_parser.add_argument(
-        "--grad-compression", default="float32", help="dK/dV wire dtype"
+        "--dtype", type=_float_dtype, default="bfloat16", help="q/k/v dtype"
+    )
+    report_parser.add_argument(
+        "--compression", type=_float_dtype, default=None, help="K/V wire dtype"
+    )
+    report_parser.add_argument(
+        "--grad-compression", type=_float_dtype, default="float32", help="dK/dV wire dtype"
     )
     report_parser.add_argument("--parallelism", type=_positive, default=1)
     report_parser.add_argument("--ring-buffer-size", type=_positive, default=None)
@@ -644,7 +778,7 @@ def _report_arguments(report_parser: argparse.ArgumentParser) -> None:
         "time goes (collectives, waiting, compute); the XLA dump goes to DIR/dump and the "
         "trace to DIR/trace (open with `xprof --logdir DIR/trace`)",
     )
-    report_parser.set_defaults(run=report)
+    report_parser.set_defaults(run=report, parser=report_parser)
 
 
 def _generate_arguments(generate_parser: argparse.ArgumentParser) -> None:
@@ -656,10 +790,12 @@ def _generate_arguments(generate_parser: argparse.ArgumentParser) -> None:
     generate_parser.add_argument(
         "--window", type=_positive, default=None, help="sliding window (default: causal)"
     )
-    generate_parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate_parser.add_argument(
+        "--temperature", type=_temperature, default=0.0, help="0 = greedy"
+    )
     generate_parser.add_argument("--top-k", type=_positive, default=None)
-    generate_parser.add_argument("--seed", type=int, default=0)
-    generate_parser.set_defaults(run=generate)
+    generate_parser.add_argument("--seed", type=_seed, default=0)
+    generate_parser.set_defaults(run=generate, parser=generate_parser)
 
 
 def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
@@ -691,7 +827,7 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
         help="budget per device in MiB (default: the profile's memory)",
     )
     plan_parser.add_argument("--json", action="store_true", help="print JSON")
-    plan_parser.set_defaults(run=plan)
+    plan_parser.set_defaults(run=plan, parser=plan_parser)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -755,19 +891,110 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _misuse(args: argparse.Namespace) -> str | None:
+    """What is wrong with flags that are each fine alone (None if nothing), in their
+    names; checked before JAX is imported."""
+    if args.heads % args.kv_heads:
+        return (
+            f"argument --heads: must be a multiple of --kv-heads ({args.kv_heads}); got "
+            f"{args.heads}"
+        )
+    match args.command:
+        case "demo" | "bench":
+            ring = args.devices
+            if args.command == "demo" and args.num_processes and args.local_devices:
+                ring = args.num_processes * args.local_devices  # the global ring
+            elif args.command == "demo" and args.num_processes:
+                ring = None  # known once the processes have joined (see `_ring_mesh`)
+            if ring and args.seq_len % ring:
+                return _indivisible(args.seq_len, ring)
+            if args.command == "demo":
+                return _multiprocess_misuse(args)
+        case "report":
+            return _transfer_misuse(args)
+        case "generate":
+            if args.top_k is not None and args.top_k > args.vocab:
+                return (
+                    f"argument --top-k: must be at most --vocab ({args.vocab}); got "
+                    f"{args.top_k}"
+                )
+        case "plan":
+            if args.profile == "cpu" and args.max_memory_mib is None:
+                return (
+                    "argument --profile: --profile cpu needs --max-memory-mib (the CPU "
+                    "profile has no memory size)"
+                )
+            if args.dim is not None and args.dim % args.heads:
+                return (
+                    f"argument --dim: must be a multiple of --heads ({args.heads}), the "
+                    f"LM's width split over its heads; got {args.dim}"
+                )
+    return None
+
+
+def _indivisible(seq_len: int, ring: int) -> str:
+    return (
+        f"argument --seq-len: must be a multiple of the ring's {ring} devices (each holds "
+        f"an equal shard); got {seq_len}"
+    )
+
+
+def _multiprocess_misuse(args: argparse.Namespace) -> str | None:
+    if (args.num_processes is None) != (args.process_id is None):
+        given, missing = ("--num-processes", "--process-id")
+        if args.num_processes is None:
+            given, missing = missing, given
+        return f"argument {given}: needs {missing} too (each process has its own)"
+    if args.process_id is not None and args.process_id >= args.num_processes:
+        return (
+            f"argument --process-id: must be in 0 .. {args.num_processes - 1} (--num-"
+            f"processes {args.num_processes}); got {args.process_id}"
+        )
+    if args.coordinator_address is not None and args.num_processes is None:
+        return "argument --coordinator-address: needs --num-processes and --process-id"
+    return None
+
+
+def _transfer_misuse(args: argparse.Namespace) -> str | None:
+    """`ringeqx report`'s transfer flags against the tokens per device (as
+    `RingConfig.num_pieces`, in the flags' names)."""
+    shard = -(-args.seq_len // args.devices)
+    divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+    tokens = (
+        f"the {shard} tokens per device (--seq-len {args.seq_len} over --devices "
+        f"{args.devices})"
+    )
+    if args.ring_buffer_size is not None:
+        flag, value = "--ring-buffer-size", args.ring_buffer_size
+    else:
+        flag, value = "--parallelism", args.parallelism
+    if shard % value:
+        return f"argument {flag}: must divide {tokens}, one of {divisors}; got {value}"
+    pieces = shard // value if args.ring_buffer_size is not None else value
+    if args.bidirectional and pieces == 1 and shard % 2:
+        return (
+            f"argument --bidirectional: sends half of each shard each way, so {tokens} "
+            "must be even"
+        )
+    if args.bidirectional and pieces > 1 and pieces % 2:
+        return (
+            f"argument {flag}: with --bidirectional (half of the pieces each way), must "
+            f"give an even number of pieces; got {value} ({pieces} pieces)"
+        )
+    if args.profile is not None:
+        for where in (args.profile, *(os.path.join(args.profile, d) for d in ("dump", "trace"))):
+            problem = _writable_folder("--profile", where)
+            if problem:
+                return problem
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ringeqx` script and of `python -m ringeqx`."""
     args = _parser().parse_args(argv)
-    if args.command == "plan" and args.profile == "cpu" and args.max_memory_mib is None:
-        _parser().error(
-            "ringeqx plan --profile cpu needs --max-memory-mib (the CPU profile has no "
-            "memory size)"
-        )
-    if args.heads % args.kv_heads != 0:
-        _parser().error(
-            f"--heads must be a multiple of --kv-heads; got {args.heads} and "
-            f"{args.kv_heads}"
-        )
+    problem = _misuse(args)
+    if problem is not None:
+        args.parser.error(problem)
     # The demo also compiles for twice the devices, to show per-device memory halving;
     # in a multi-process run each process has `--local-devices` of its own.
     local = getattr(args, "local_devices", None)

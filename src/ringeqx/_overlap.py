@@ -8,7 +8,7 @@ import re
 import equinox as eqx
 import jax
 
-from ._profile import HLO_ARRAY, called_computations, computations
+from ._profile import HLO_ARRAY, called_computations, module
 
 
 # A Pallas kernel as it reaches the scheduled HLO: Mosaic on TPU, Triton on GPU.
@@ -243,13 +243,15 @@ def ring_overlap(compiled: str | jax.stages.Compiled) -> OverlapReport:
     The text must be the scheduled one (`is_scheduled=true`): before scheduling, the
     order of instructions says nothing about when they run.
     """
-    hlo = compiled if isinstance(compiled, str) else compiled.as_text()
-    if not isinstance(hlo, str):
+    if isinstance(compiled, jax.stages.Compiled):
+        compiled = compiled.as_text()
+    if not isinstance(compiled, str):
         raise TypeError(
-            "ring_overlap expects a compiled program or its HLO text; got "
-            f"{type(compiled).__name__}."
+            "`compiled` must be a compiled program (`jax.jit(f).lower(...).compile()`) or "
+            f"its HLO text; got a {type(compiled).__name__}."
         )
-    comps, _ = computations(hlo)
+    # Text that is not an HLO module (StableHLO, a file name) would show no permutes.
+    comps, _ = module(compiled)
     kernels = _kernel_names(comps)
     bodies: dict[str, int | None] = {}
     for lines in comps.values():

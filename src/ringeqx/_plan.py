@@ -360,6 +360,11 @@ def _lm_sizes(heads: int, dim, num_layers, vocab_size, hidden, head_dim) -> dict
             f"An LM plan needs `dim`, `num_layers` and `vocab_size`; missing {missing}."
         )
     dim = given["dim"]
+    if head_dim is None and dim % heads != 0:
+        raise ValueError(
+            f"`dim`={dim} is not a multiple of `heads`={heads}: the LM splits its width "
+            "over its heads (or pass `head_dim`)."
+        )
     head_dim = dim // heads if head_dim is None else head_dim
     hidden = 4 * dim if hidden is None else hidden
     return {"kind": "lm", **given, "hidden": hidden, "head_dim": head_dim}

@@ -85,6 +85,25 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+def module(hlo) -> tuple[dict[str, list[str]], str]:
+    """`computations(hlo)`, or an error unless `hlo` is the text of an HLO module: a
+    program's collectives cannot be read from anything else, and reading them from
+    other text (StableHLO, a compiled object, a file name) would find none silently."""
+    if not isinstance(hlo, str):
+        raise TypeError(
+            "`hlo` must be the text of a compiled HLO module "
+            f"(`jax.jit(f).lower(...).compile().as_text()`); got a {type(hlo).__name__}."
+        )
+    comps, entry = computations(hlo)
+    if entry is None:
+        raise ValueError(
+            "`hlo` must be the text of a compiled HLO module "
+            "(`jax.jit(f).lower(...).compile().as_text()`); it has no ENTRY computation "
+            f"(starts {hlo[:60]!r})."
+        )
+    return comps, entry
+
+
 def called_computations(lines: list[str]) -> list[tuple[str, int]]:
     """`(computation, trips)` for every computation these lines call: a while body's
     `known_trip_count`, 1 for everything else."""
@@ -142,13 +161,7 @@ def parse_collectives(hlo: str) -> list[HloCollective]:
     """Every collective op of a compiled program's HLO text, each with how many times it
     runs per call: XLA removes loops of one trip, so ops in a while body count once per
     iteration of every loop around them (`known_trip_count` in the backend config)."""
-    comps, entry = computations(hlo)
-    if entry is None:
-        raise ValueError(
-            "`hlo` must be the text of a compiled HLO module "
-            "(`jax.jit(f).lower(...).compile().as_text()`); it has no ENTRY computation "
-            f"(starts {hlo[:60]!r})."
-        )
+    comps, entry = module(hlo)
     seen = _executions(comps, entry)
     out = []
     for name, lines in comps.items():
@@ -183,7 +196,7 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
     counts: see `parse_collectives`), as `(kind, result)`: the kind (one of
     `COLLECTIVES`; async `-start` forms count once, `-done` not at all) and the result's
     type text (e.g. `"f32[1,128,4,64]{3,2,1,0}"`), to tell activations from parameters."""
-    comps, _ = computations(hlo)
+    comps, _ = module(hlo)
     return [
         (found[0], found[4].split("=", 1)[1].strip())
         for lines in comps.values()

@@ -276,6 +276,46 @@ def _axes_of(attributes: str, mesh) -> tuple[str, ...]:
     return tuple(names[a] for a in sorted(varying))
 
 
+def _describe(names, sizes) -> str:
+    return "(" + ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes)) + ")"
+
+
+def _program_mesh(compiled, mesh, given: bool):
+    """`mesh` if the compiled program runs on it, else: an error if the caller `given`
+    it, None (no axis names) if it is only the ambient `jax.set_mesh` one.
+
+    Collectives name devices by their position in the program's devices, so a mesh of
+    another size, or of other axes, would name the wrong axes (or none) silently."""
+    if not given and mesh is None:
+        return None
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(
+            "`mesh` must be a jax.sharding.Mesh (the one the program runs on) or None; "
+            f"got {type(mesh).__name__}."
+        )
+    names, sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    if not shardings:
+        return mesh
+    devices = max(len(s.device_set) for s in shardings)
+    named = {
+        (tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes))
+        for s in shardings
+        if isinstance(s, jax.sharding.NamedSharding)
+    }
+    if devices == math.prod(sizes) and (not named or (names, sizes) in named):
+        return mesh
+    if not given:
+        return None
+    runs_on = f"{devices} device{'s' if devices > 1 else ''}"
+    if named:
+        runs_on += " with axes " + " or ".join(_describe(*n) for n in sorted(named))
+    raise ValueError(
+        f"`mesh` must be the mesh the program runs on ({runs_on}); got a mesh of "
+        f"{math.prod(sizes)} devices with axes {_describe(names, sizes)}."
+    )
+
+
 def comm_report(fn, *args, mesh=None, cost: RingCost | None = None, **kwargs) -> CommReport:
     """Compile `fn(*args, **kwargs)` and list what it communicates.
 
@@ -289,8 +329,9 @@ def comm_report(fn, *args, mesh=None, cost: RingCost | None = None, **kwargs) ->
 
     - `fn`: a function (jitted or not) of `args`.
     - `args`, `kwargs`: its arguments (arrays or `jax.ShapeDtypeStruct`s).
-    - `mesh`: the mesh, to name the axis of each collective (default: the one set by
-        `jax.set_mesh`, if any).
+    - `mesh`: the mesh the program runs on, to name the axis of each collective
+        (default: the one set by `jax.set_mesh`, if the program runs on it). A mesh of
+        another number of devices, or of other axes, is an error.
     - `cost`: an optional [`ringeqx.RingCost`][] for the model columns.
 
     **Returns:** a [`ringeqx.CommReport`][]; `print` it for a table, or read `rows`,
@@ -303,11 +344,14 @@ def comm_report(fn, *args, mesh=None, cost: RingCost | None = None, **kwargs) ->
     print(report)
     ```
     """
+    given = mesh is not None
     if mesh is None:
         abstract = jax.sharding.get_abstract_mesh()
         mesh = None if abstract.empty else abstract
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    hlo = jitted.lower(*args, **kwargs).compile().as_text()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    mesh = _program_mesh(compiled, mesh, given)
+    hlo = compiled.as_text()
     merged: dict[tuple, list[int]] = {}
     for c in parse_collectives(hlo):
         arrays = c.arrays

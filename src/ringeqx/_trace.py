@@ -284,6 +284,24 @@ def summarize_trace(path: str, hlo: str, repeats: int) -> dict[str, Any]:
     )
 
 
+def _writable_folder(name: str, path: str) -> str:
+    """`path`, made a folder that files can be written to, or a ValueError naming `name`.
+
+    Checked before anything runs: `jax.profiler` cannot stop a trace it failed to write
+    (its session stays open), and then no later profile can start in this process. XLA
+    only logs a dump it cannot write."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"`{name}` must be a folder that files can be written to; got {path!r} "
+            f"({error.strerror or error})."
+        ) from None
+    return path
+
+
 def profile_program(
     fn: Callable,
     *args,
@@ -348,8 +366,10 @@ def profile_program(
     """
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"`repeats` must be a positive integer; got {repeats!r}.")
-    dump_dir = dump_dir or tempfile.mkdtemp(prefix="ringeqx-dump-")
-    trace_dir = trace_dir or tempfile.mkdtemp(prefix="ringeqx-trace-")
+    dump_dir = _writable_folder("dump_dir", dump_dir or tempfile.mkdtemp(prefix="ringeqx-dump-"))
+    trace_dir = _writable_folder(
+        "trace_dir", trace_dir or tempfile.mkdtemp(prefix="ringeqx-trace-")
+    )
     options = {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True}
     options.update(compiler_options or {})
     lowered = jax.jit(functools.partial(fn, **kwargs)).lower(*args)
