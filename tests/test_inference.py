@@ -261,6 +261,11 @@ def test_inference_errors():
         vocab = model.embedding.num_embeddings
         with pytest.raises(ValueError, match=rf"token ids must be in \[0, {vocab}\).*e.g. {vocab}"):
             rx.generate(model, prompt.at[3].set(vocab), 2, jax.random.key(0))
+        # Traced, the ids are checked at run time, on both devices together (a check
+        # that fired on one device only would leave the other waiting).
+        with pytest.raises(Exception, match=rf"token ids must be in \[0, {vocab}\)"):
+            run = jax.jit(lambda p: rx.generate(model, p, 2, jax.random.key(0)))
+            jax.block_until_ready(run(prompt.at[3].set(-1)))
         with pytest.raises(ValueError, match="not to prefill together with `layout=`"):
             model.prefill(prompt, rx.Uniform().layout(12, 2), segment_ids=prompt * 0)
         with pytest.raises(ValueError, match="`max_new_tokens` must be an integer >= 0"):

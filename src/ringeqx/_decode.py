@@ -6,10 +6,11 @@ kernel, and the partial results `(out, lse)` are merged exactly across the ring 
 one max and one sum reduction: `log P` steps of a reduction tree, not `P - 1` hops.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from ._kernels._base import AbstractAttentionKernel, Scores
 from ._masks import AbstractMask
@@ -113,3 +114,23 @@ def decode_attention(
     if sinks is not None:
         out = apply_sinks(out[None], lse[None], sinks)[0]
     return out.astype(q.dtype), keys, values
+
+
+def error_if_together(tree, pred: Bool[Array, ""], msg: str, mesh):
+    """`eqx.error_if(tree, pred, msg)` raised on every device of `mesh` at once.
+
+    At the top level of a sharded program, XLA runs a host callback on one device and
+    sends its result to the others, so a failing check there leaves the others waiting
+    (XLA:CPU aborts the process after its rendezvous timeout). Inside `shard_map`, with
+    `pred` the same everywhere (replicated), each device makes its own check and all
+    raise together, as the ring's own run-time checks do.
+    """
+    replicated = PartitionSpec()
+    tree, pred = place((tree, pred), mesh, replicated)
+    return jax.shard_map(
+        lambda tree, pred: eqx.error_if(tree, pred, msg),
+        mesh=mesh,
+        in_specs=(replicated, replicated),
+        out_specs=replicated,
+        check_vma=False,
+    )(tree, pred)

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from ._decode import error_if_together
+from ._kvcache import check_servable, inference_mesh, layer_masks
 from ._layout import Layout
-from ._mesh import batch_axis as mesh_batch_axis, resolve_mesh
+from ._mesh import batch_axis as mesh_batch_axis
 from ._numbers import as_int, check_size, concrete_scalar, is_int
 from ._strategies._base import AbstractShardingStrategy
 from ._strategies._uniform import Uniform
@@ -45,28 +47,72 @@ def _generate(model, tokens, layout, keys, temperature, steps, top_k, mesh, batc
         def step(carry, key):
             logits, cache = carry
             token = sample(logits, key, temperature, top_k)
-            new_logits, cache = model.decode(token, cache, mesh=mesh)
+            # Checked once after the loop, so the compiled step has no host callback.
+            new_logits, cache = model.decode(token, cache, mesh=mesh, on_overflow="flag")
             return (new_logits, cache), (token, logits.astype(jnp.float32))
 
         init = (logits, cache)
         (_, cache), (out, seen) = jax.lax.scan(step, init, jax.random.split(key, steps))
-        out = eqx.error_if(out, cache.overflow, "KVCache overflow: a token was dropped.")
-        return out, seen
+        return out, seen, cache.overflow
 
     layout_axis = 0 if layout.batch_shape else None
-    return jax.vmap(one, in_axes=(0, layout_axis, 0), spmd_axis_name=batch_axis)(
+    out, seen, overflow = jax.vmap(one, in_axes=(0, layout_axis, 0), spmd_axis_name=batch_axis)(
         tokens, layout, keys
     )
+    # Once, after every step of every prompt, on every device together.
+    out = error_if_together(
+        out,
+        jnp.any(overflow),
+        "A decode step was not exact (`cache.overflow`): a token found no slot in the KV "
+        "cache, or a layer's mask let an earlier token see a generated one.",
+        mesh,
+    )
+    return out, seen
 
 
-def _prompt_layout(prompt, strategy, segment_ids, num_shards: int) -> Layout:
+def _check_ids(name: str, ids, prompt) -> None:
+    """Ids for every prompt (`[seq]`, shared) or one row per prompt (`[batch, seq]`)."""
+    if ids is None:
+        return
+    shape, seq = jnp.shape(ids), prompt.shape[-1]
+    if shape not in ((seq,), prompt.shape):
+        want = f"[seq={seq}]"
+        if prompt.ndim == 2:
+            want += f" or [batch={prompt.shape[0]}, seq={seq}]"
+        raise ValueError(f"`{name}` must have shape {want} (the prompt's); got shape {shape}.")
+
+
+def _prompt_layout(prompt, strategy, segment_ids, span_ids, num_shards: int) -> Layout:
     if prompt.ndim not in (1, 2) or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(
             "`prompt` must be an integer array [seq] or [batch, seq]; got "
             f"{prompt.dtype} of shape {prompt.shape}."
         )
+    _check_ids("segment_ids", segment_ids, prompt)
+    _check_ids("span_ids", span_ids, prompt)
     strategy = Uniform() if strategy is None else strategy
-    return strategy.layout(prompt.shape[-1], num_shards, segment_ids=segment_ids)
+    return strategy.layout(
+        prompt.shape[-1], num_shards, segment_ids=segment_ids, span_ids=span_ids
+    )
+
+
+def _check_masks(model, layout: Layout, segment_ids, span_ids, steps: int) -> None:
+    """Masks `generate` can serve: the ids they read were given (the layout would hold
+    placeholders), and, where the prompt's records are known, no prompt token may see a
+    generated one (which a KV cache cannot serve; else the decode steps check it)."""
+    masks = layer_masks(model.blocks)
+    for name, mask in masks:
+        reads = mask.reads()
+        for ids, field, given in (
+            ("segment_ids", "segments", segment_ids),
+            ("span_ids", "spans", span_ids),
+        ):
+            if given is None and field in reads:
+                raise ValueError(
+                    f"`{ids}` must be given: {name} ({type(mask).__name__}) reads "
+                    f"`{field}`; got {ids}=None."
+                )
+    check_servable(masks, layout.token_info(), layout.seq_len, steps)
 
 
 def _check_sampling(key, temperature) -> None:
@@ -97,9 +143,10 @@ def _check_sampling(key, temperature) -> None:
         )
 
 
-def _check_tokens(prompt: Array, vocab_size: int) -> Array:
+def _check_tokens(prompt: Array, vocab_size: int, mesh) -> Array:
     """`prompt`, whose ids must index the vocabulary (an embedding lookup would clamp
-    them onto other tokens): checked now when known, else at run time."""
+    them onto other tokens): checked now when known, else at run time (on every device
+    of `mesh` together)."""
     if not isinstance(prompt, jax.core.Tracer):
         bad = np.asarray(prompt)
         bad = bad[(bad < 0) | (bad >= vocab_size)]
@@ -110,12 +157,13 @@ def _check_tokens(prompt: Array, vocab_size: int) -> Array:
             )
         return prompt
     outside = jnp.any((prompt < 0) | (prompt >= vocab_size))
-    return eqx.error_if(
-        prompt, outside, f"`prompt` token ids must be in [0, {vocab_size}) (the vocab_size)."
-    )
+    msg = f"`prompt` token ids must be in [0, {vocab_size}) (the vocab_size)."
+    return error_if_together(prompt, outside, msg, mesh)
 
 
-def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh):
+def _arguments(
+    model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh, span_ids=None
+):
     """Check `generate`'s arguments and make those of `_generate` (prompts in layout
     order with a batch axis, one key per prompt)."""
     steps = check_size("steps", steps)
@@ -124,10 +172,11 @@ def _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_
         raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
     _check_sampling(key, temperature)
     axis = model.blocks[0].attention.axis_name
-    mesh = resolve_mesh(mesh, axis)
+    mesh = inference_mesh(mesh, axis)
     prompt = jnp.asarray(prompt)
-    layout = _prompt_layout(prompt, strategy, segment_ids, mesh.shape[axis])
-    prompt = _check_tokens(prompt, model.embedding.num_embeddings)
+    layout = _prompt_layout(prompt, strategy, segment_ids, span_ids, mesh.shape[axis])
+    _check_masks(model, layout, segment_ids, span_ids, steps)
+    prompt = _check_tokens(prompt, model.embedding.num_embeddings, mesh)
     prompts = prompt if prompt.ndim == 2 else prompt[None]
     tokens = layout.shard(prompts, axis=-1)
     keys = jax.random.split(key, prompts.shape[0])
@@ -148,6 +197,7 @@ def generate(
     top_k: int | None = None,
     strategy: AbstractShardingStrategy | None = None,
     segment_ids: Int[Array, "*#batch seq"] | None = None,
+    span_ids: Int[Array, "*#batch seq"] | None = None,
     mesh=None,
     return_logits: bool = False,
 ) -> (
@@ -177,12 +227,22 @@ def generate(
     - `strategy`: how the prompt is placed on the ring (default
         [`ringeqx.Uniform`][]); any strategy works, `Zigzag` balances causal prefill.
     - `segment_ids`: document ids of the prompt `[seq]` or `[batch, seq]`; generated
-        tokens continue the prompt's last document.
+        tokens continue the prompt's last document. Required when a layer's mask reads
+        them (`Document`), as in the model's `__call__`.
+    - `span_ids`: span ids of the prompt `[seq]` or `[batch, seq]` (`-1`: no span), for
+        masks that read them (`BidirectionalSpans`); generated tokens are in no span.
     - `mesh`: the device mesh (default: the one set by `jax.set_mesh`).
     - `return_logits`: also return the float32 logits each token was drawn from.
 
     **Returns:** the generated tokens `int32[*batch, steps]`, and with
     `return_logits=True` their logits `float32[*batch, steps, vocab]` too.
+
+    **Raises:** a `ValueError` before anything is compiled for a mask a KV cache cannot
+    serve (one that lets a prompt token see a generated one: `Full`, `Document` without
+    `Causal`, a two-sided window, `PrefixLM` with a prefix longer than the prompt) or
+    that reads ids not given, ids not shaped like the prompt, and a mesh without the
+    model's ring axis. Where the prompt's records are only known at run time (under
+    `jit`), the decode steps check each token and the result raises (`eqx.error_if`).
 
     **Example:**
 
@@ -192,7 +252,9 @@ def generate(
         tokens = ringeqx.generate(model, prompt, 32, jax.random.key(1), temperature=0.8)
     ```
     """
-    args = _arguments(model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh)
+    args = _arguments(
+        model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh, span_ids
+    )
     out, logits = _generate(*args)
     if jnp.ndim(prompt) == 1:
         out, logits = out[0], logits[0]

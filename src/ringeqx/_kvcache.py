@@ -3,12 +3,15 @@
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from ._layout import Layout
-from ._mesh import place
+from ._masks import AbstractMask
+from ._mesh import place, resolve_mesh
 from ._tokens import TokenInfo
 
 
@@ -40,10 +43,12 @@ class KVCache(eqx.Module):
         small, so every device keeps all of them (no collective to find a free slot).
     - `length`: the position of the next token (the tokens so far).
     - `segment`: the segment (document) id new tokens belong to: the prompt's last.
-    - `overflow`: True once a token found no slot (its key and value were dropped, so
-        later steps are no longer exact). Checking it is the caller's choice, outside
-        the decode loop ([`ringeqx.generate`][] raises), so the compiled step has no host
-        callback and no extra collective.
+    - `overflow`: True once a decode step was not exact: a token found no slot (its key
+        and value were dropped), or a layer's mask let an earlier token see it (a mask
+        a cache cannot serve). [`ringeqx.nn.RingTransformerLM.decode`][] raises instead
+        by default; with `on_overflow="flag"` it only sets this flag, for callers that
+        check it once after their loop ([`ringeqx.generate`][] does, and raises), so
+        the compiled step has no host callback.
     - `num_shards`: static, the devices on the ring.
     """
 
@@ -56,17 +61,51 @@ class KVCache(eqx.Module):
     num_shards: int = eqx.field(static=True)
 
     def __check_init__(self):
-        slots = self.records.positions.shape[-1]
-        if slots % self.num_shards != 0:
+        # A cache built by hand: every shape and dtype decoding relies on. Trailing axes
+        # only, so that a batch of caches (out of `jax.vmap`) passes too.
+        p = self.num_shards
+        if not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ValueError(f"KVCache `num_shards` must be an integer >= 1; got {p!r}.")
+        r = self.records
+        shape = jnp.shape(r.positions)
+        for name in ("segments", "spans", "valid"):
+            got = jnp.shape(getattr(r, name))
+            if got != shape:
+                raise ValueError(
+                    f"KVCache `records.{name}` must have the shape of `records.positions` "
+                    f"{shape}; got {got}."
+                )
+        dtypes = {"positions": jnp.int32, "segments": jnp.int32, "spans": jnp.int32}
+        for name, dtype in {**dtypes, "valid": jnp.bool_}.items():
+            got = jnp.result_type(getattr(r, name))
+            if got != dtype:
+                raise TypeError(
+                    f"KVCache `records.{name}` must have dtype {jnp.dtype(dtype).name}; "
+                    f"got {got}."
+                )
+        slots = shape[-1] if shape else 0
+        if not shape or slots % p != 0:
             raise ValueError(
                 f"KVCache `records` must have num_shards * capacity slots; got {slots} "
-                f"slots for num_shards={self.num_shards}."
+                f"slots for num_shards={p}."
             )
         if len(self.keys) != len(self.values):
             raise ValueError(
                 f"KVCache needs one `values` array per `keys` array; got {len(self.keys)} "
                 f"and {len(self.values)}."
             )
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            got = jnp.shape(k)
+            if len(got) < 3 or got[-2] != slots:
+                raise ValueError(
+                    f"KVCache `keys[{i}]` must have shape [kv_heads, slots={slots}, "
+                    f"head_dim] (one slot per record); got shape {got}."
+                )
+            if jnp.shape(v) != got:
+                raise ValueError(
+                    f"KVCache `values[{i}]` must have the shape of `keys[{i}]` {got}; got "
+                    f"{jnp.shape(v)}."
+                )
 
     @property
     def capacity(self) -> int:
@@ -164,14 +203,12 @@ def prefill_cache(
         grow(info.spans, 0, -1),
         grow(info.valid, 0, False),
     )
-    last = info.valid & (info.positions == layout.seq_len - 1)
-    segment = jnp.max(jnp.where(last, info.segments, jnp.iinfo(jnp.int32).min))
     return KVCache(
         keys=tuple(grow(k, 1, 0) for k in keys),
         values=tuple(grow(v, 1, 0) for v in values),
         records=records,
         length=jnp.asarray(layout.seq_len, jnp.int32),
-        segment=segment.astype(jnp.int32),
+        segment=_last_segment(info, layout.seq_len),
         overflow=jnp.zeros((), bool),
         num_shards=p,
     )
@@ -183,3 +220,119 @@ def place_cache(cache: KVCache, mesh, axis_name: str) -> KVCache:
     kv = place((cache.keys, cache.values), mesh, PartitionSpec(None, axis_name))
     records = replicated(cache.records, mesh)
     return eqx.tree_at(lambda c: (c.keys, c.values, c.records), cache, (*kv, records))
+
+
+def inference_mesh(mesh, axis_name: str):
+    """The mesh prefill, decode and `generate` run on (`resolve_mesh`), with errors
+    that name `mesh`: it must be a mesh with the model's ring axis."""
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None; got {type(mesh).__name__}.")
+    where = "`mesh`" if mesh is not None else "the mesh set by `jax.set_mesh`"
+    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    if not known.empty and axis_name not in known.axis_names:
+        raise ValueError(
+            f"{where} must have the model's ring axis {axis_name!r} (the layers' "
+            f"`axis_name`); got a mesh with axes {tuple(known.axis_names)}."
+        )
+    return resolve_mesh(mesh, axis_name)
+
+
+def check_devices(cache: KVCache, mesh) -> None:
+    """Where the cache's arrays are known (outside `jit`), they must live on the mesh's
+    devices: a cache prefilled on another mesh fails deep in a reshard otherwise."""
+    leaf = cache.keys[0] if cache.keys else None
+    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+        return
+    if not leaf.committed:  # made without a placement (by hand): free to move
+        return
+    have = sorted(d.id for d in leaf.sharding.device_set)
+    if isinstance(mesh, jax.sharding.Mesh):
+        want = sorted(d.id for d in mesh.devices.flat)
+        same = have == want
+    else:  # the abstract mesh of `jax.set_mesh` knows its size, not its devices
+        want, same = mesh.size, len(have) == mesh.size
+    if not same:
+        raise ValueError(
+            f"`cache` must live on the devices of the mesh it is decoded on ({want}); "
+            f"got a cache on devices {have}. Decode on the mesh the cache was prefilled "
+            "on, or move it there with `jax.device_put`."
+        )
+
+
+def layer_masks(blocks) -> list[tuple[str, AbstractMask]]:
+    """Every layer's mask (blocks of a `RingTransformerLM`), named as errors name it."""
+    return [(f"`model.blocks[{i}].attention.mask`", b.attention.mask) for i, b in enumerate(blocks)]
+
+
+def sees_ahead(mask: AbstractMask, records: TokenInfo, new: TokenInfo) -> Bool[Array, "*slots"]:
+    """Which earlier tokens of `records` the mask lets attend to the later token `new`
+    (scalar records): their cached keys and values would need recomputing, which no
+    KV cache does."""
+    return mask.allows(records, new) & records.valid & (records.positions < new.positions)
+
+
+def _last_segment(info: TokenInfo, seq_len: int) -> Int[Array, ""]:
+    """The segment of the token at position `seq_len - 1`: the one new tokens continue."""
+    last = info.valid & (info.positions == seq_len - 1)
+    return jnp.max(jnp.where(last, info.segments, jnp.iinfo(jnp.int32).min)).astype(jnp.int32)
+
+
+def _new_token(position, segment) -> TokenInfo:
+    return TokenInfo(
+        jnp.asarray(position, jnp.int32),
+        segment,
+        jnp.full((), -1, jnp.int32),
+        jnp.ones((), bool),
+    )
+
+
+@eqx.filter_jit
+def _seen_ahead(mask: AbstractMask, info: TokenInfo, seq_len: int, steps: int):
+    """`bool[examples, steps]`: whether any prompt token of each example (records
+    `[examples, slots]`) may see the generated token at `seq_len + t`."""
+
+    def example(info):
+        segment = _last_segment(info, seq_len)
+
+        def at(position):
+            return jnp.any(sees_ahead(mask, info, _new_token(position, segment)))
+
+        return jax.lax.map(at, seq_len + jnp.arange(steps, dtype=jnp.int32))
+
+    return jax.vmap(example)(info)
+
+
+def check_servable(
+    masks: list[tuple[str, AbstractMask]], info: TokenInfo, seq_len: int, steps: int
+) -> None:
+    """Raise when a mask lets a prompt token (records `info`, `[*batch, slots]`) attend
+    to one of the `steps` tokens generated after it, which a KV cache cannot serve.
+
+    Masks that never look ahead (`max_lookahead() == 0`) pass statically. For the others
+    the records decide, so it is checked here when they are known (outside `jit`); else
+    every decode step checks its own token at run time."""
+    masks = [(name, m) for name, m in masks if m.max_lookahead() != 0]
+    leaves = (info.positions, info.segments, info.spans, info.valid)
+    if steps < 1 or not masks or any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return
+    flat = TokenInfo(*(x.reshape((-1, x.shape[-1])) for x in leaves))
+    for name, mask in masks:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask)):
+            continue  # a traced model (inside `jit`): the decode steps check
+        hits = np.asarray(_seen_ahead(mask, flat, seq_len, steps))
+        if not hits.any():
+            continue
+        b, t = (int(i) for i in np.argwhere(hits)[0])
+        one = TokenInfo(*(x[b] for x in (flat.positions, flat.segments, flat.spans, flat.valid)))
+        new = _new_token(seq_len + t, _last_segment(one, seq_len))
+        seen = np.asarray(sees_ahead(mask, one, new))
+        p = int(np.asarray(one.positions)[np.argmax(seen)])
+        example = f" (example {b})" if hits.shape[0] > 1 else ""
+        raise ValueError(
+            f"{name} ({type(mask).__name__}) must not let a prompt token attend to a later "
+            "one, which a KV cache cannot serve (the cached keys and values of earlier "
+            f"tokens are never recomputed); got prompt position {p} attending to the "
+            f"generated token at position {seq_len + t}{example}. Decode with a mask under "
+            "which no token sees a later one after the prompt: Causal, Causal() & "
+            "Document(), a causal SlidingWindow, PrefixLM with the prefix in the prompt."
+        )

@@ -8,9 +8,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._kvcache import KVCache, cache_capacity, place_cache, prefill_cache, replicated
+from .._decode import error_if_together
+from .._kvcache import (
+    KVCache,
+    cache_capacity,
+    check_devices,
+    check_servable,
+    inference_mesh,
+    layer_masks,
+    place_cache,
+    prefill_cache,
+    replicated,
+    sees_ahead,
+)
 from .._layout import Layout, contiguous_layout
-from .._mesh import resolve_mesh
+from .._masks import check_ids
 from .._numbers import check_size
 from .._plan import Plan
 from .._tokens import TokenInfo
@@ -131,6 +143,120 @@ def _options(attention: AttentionOptions | None, kwargs: dict | None) -> Attenti
     return AttentionOptions(**kwargs)
 
 
+def _check_cache(model: "RingTransformerLM", cache: KVCache, ring_size: int) -> None:
+    """A cache `model.decode` can use: this model's layers, kv heads, head_dim and
+    dtype, one example, made for `ring_size` devices. Shapes and dtypes only, so a
+    trace-time error."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"`cache` must be a ringeqx.KVCache; got {type(cache).__name__}.")
+    axis = model.blocks[0].attention.axis_name
+    if cache.num_shards != ring_size:
+        raise ValueError(
+            f"`cache` was made for a ring of {cache.num_shards} devices (num_shards); the "
+            f"ring axis {axis!r} has {ring_size} devices in the mesh it is decoded on."
+        )
+    if cache.num_layers != len(model.blocks):
+        raise ValueError(
+            f"`cache` must have one layer per block of the model ({len(model.blocks)}); "
+            f"got {cache.num_layers} layers."
+        )
+    slots = jnp.shape(cache.records.positions)
+    if len(slots) != 1:
+        raise ValueError(
+            "`cache` must be one example's (records [slots]): map a batch with "
+            f"`jax.vmap`; got records of shape {slots}."
+        )
+    for name, dtype in (("length", jnp.int32), ("segment", jnp.int32), ("overflow", jnp.bool_)):
+        x = getattr(cache, name)
+        if jnp.shape(x) != () or jnp.result_type(x) != dtype:
+            raise TypeError(
+                f"`cache.{name}` must be a {jnp.dtype(dtype).name} scalar; got "
+                f"{jnp.result_type(x)} of shape {jnp.shape(x)}."
+            )
+    for i, (block, k, v) in enumerate(zip(model.blocks, cache.keys, cache.values)):
+        a = block.attention
+        want = (a.num_kv_heads, slots[0], a.head_dim)
+        for name, x in (("keys", k), ("values", v)):
+            if jnp.shape(x) != want:
+                raise ValueError(
+                    f"`cache.{name}[{i}]` must have shape [kv_heads={want[0]}, slots="
+                    f"{want[1]}, head_dim={want[2]}] (layer {i} of the model); got shape "
+                    f"{jnp.shape(x)}."
+                )
+            dtype = a.key_proj.weight.dtype if name == "keys" else a.value_proj.weight.dtype
+            if jnp.result_type(x) != dtype:
+                raise TypeError(
+                    f"`cache.{name}[{i}]` must have dtype {dtype} (layer {i}'s projections, "
+                    f"as prefill makes it); got {jnp.result_type(x)}."
+                )
+
+
+def _prompt(
+    model: "RingTransformerLM", tokens, layout: Layout | None, segment_ids, ring_size: int
+) -> tuple[Array, Layout]:
+    """`prefill`'s prompt in layout order and its one-example layout (contiguous shards
+    made from `segment_ids` without one), checked against each other and the masks."""
+    shape = jnp.shape(tokens)
+    if len(shape) != 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        hint = " (one example: map a batch with `jax.vmap`)" if len(shape) == 2 else ""
+        raise ValueError(
+            f"`tokens` must be an integer array [seq]{hint}; got "
+            f"{jnp.result_type(tokens)} of shape {shape}."
+        )
+    if layout is None:
+        if segment_ids is not None and jnp.shape(segment_ids) != shape:
+            raise ValueError(
+                f"`segment_ids` must have the shape of `tokens` [seq={shape[0]}] (one "
+                f"example: map a batch with `jax.vmap`); got shape {jnp.shape(segment_ids)}."
+            )
+        for block in model.blocks:
+            # As `__call__` does: a mask that reads ids nobody gave is refused, not run
+            # on the placeholder ids a layout makes without them.
+            check_ids(block.attention.mask, segment_ids, None, None)
+        layout = contiguous_layout(shape[0], ring_size, segment_ids=segment_ids)
+        return layout.shard(tokens), layout
+    if segment_ids is not None:
+        raise ValueError(
+            "Pass `segment_ids` to the strategy that builds the layout, not to prefill "
+            "together with `layout=`."
+        )
+    if layout.batch_shape:
+        raise ValueError(
+            "`layout` must be one example's (batch shape ()); got batch shape "
+            f"{layout.batch_shape}: map a batch with `jax.vmap`."
+        )
+    if shape != (layout.sharded_len,):
+        raise ValueError(
+            "`tokens` must be in the layout's order, [num_shards * capacity = "
+            f"{layout.sharded_len}] (`layout.shard(tokens)`); got shape {shape}."
+        )
+    return tokens, layout
+
+
+def _raise_if_known(cache: KVCache, ok, ahead, sees) -> None:
+    """Outside `jit` the step's conditions are values: say exactly what went wrong."""
+    if isinstance(ok, jax.core.Tracer) or any(isinstance(s, jax.core.Tracer) for s in sees):
+        return
+    n = int(cache.length)
+    if not bool(ok):
+        p = cache.num_shards
+        raise ValueError(
+            f"`cache` must have room for the token at position {n}: its device {n % p} "
+            f"holds {cache.capacity} slots, all taken by tokens that a mask may still "
+            "see. Prefill with a larger `max_new_tokens` (or decode with "
+            "on_overflow='flag' to drop the token and only set `cache.overflow`)."
+        )
+    for (name, mask), s in zip(ahead, sees):
+        if bool(s):
+            seen = sees_ahead(mask, cache.records, cache.query())
+            p = int(cache.records.positions[jnp.argmax(seen)])
+            raise ValueError(
+                f"{name} must not let an earlier token attend to a later one, which a KV "
+                "cache cannot serve (cached keys and values are never recomputed); got "
+                f"the token at position {p} attending to the new token at position {n}."
+            )
+
+
 class RingTransformerLM(eqx.Module):
     """A small decoder-only language model whose attention runs on a ring.
 
@@ -249,25 +375,25 @@ class RingTransformerLM(eqx.Module):
 
         **Returns:** `(logits, cache)`: the logits `[vocab]` that follow the prompt's
         last token, and the filled [`ringeqx.KVCache`][], sharded over the ring.
+
+        **Raises:** a `ValueError`, before anything runs, for a mask that reads segment
+        or span ids given by neither `segment_ids` nor `layout` (as `__call__`), and,
+        where the layout's records are known (outside `jit`), for a mask that lets a
+        prompt token see one of the next `max_new_tokens` tokens, which a cache cannot
+        serve (`decode` checks that at run time otherwise).
         """
         axis = self.blocks[0].attention.axis_name
-        mesh = resolve_mesh(mesh, axis)
-        if layout is None:
-            layout = contiguous_layout(tokens.shape[0], mesh.shape[axis], segment_ids=segment_ids)
-            tokens = layout.shard(tokens)
-        elif segment_ids is not None:
-            raise ValueError(
-                "Pass `segment_ids` to the strategy that builds the layout, not to "
-                "prefill together with `layout=`."
-            )
+        mesh = inference_mesh(mesh, axis)
+        tokens, layout = _prompt(self, tokens, layout, segment_ids, mesh.shape[axis])
         capacity = cache_capacity(layout, max_new_tokens)
+        info = layout.token_info()
+        check_servable(layer_masks(self.blocks), info, layout.seq_len, max_new_tokens)
         x = jax.vmap(self.embedding)(tokens)
         keys, values = [], []
         for block in self.blocks:
             x, k, v = block.prefill(x, layout, mesh=mesh)
             keys.append(k)
             values.append(v)
-        info = layout.token_info()
         last = info.valid & (info.positions == layout.seq_len - 1)
         x = jnp.sum(jnp.where(last[:, None], x, 0), axis=0)
         logits = self.head(self.final_norm(x))
@@ -275,7 +401,12 @@ class RingTransformerLM(eqx.Module):
         return logits, place_cache(cache, mesh, axis)
 
     def decode(
-        self, token: Int[Array, ""], cache: KVCache, *, mesh=None
+        self,
+        token: Int[Array, ""],
+        cache: KVCache,
+        *,
+        mesh=None,
+        on_overflow: Literal["error", "flag"] = "error",
     ) -> tuple[Float[Array, " vocab"], KVCache]:
         """One generation step: append `token` (at position `cache.length`) to the
         cache and return the logits of the token after it.
@@ -284,22 +415,51 @@ class RingTransformerLM(eqx.Module):
         to its own slots of the cache, and the partial results are merged across the ring
         by one max and one sum reduction: the compiled step has no collective-permute.
         Exact: the logits equal those of `__call__` on the whole sequence, as long as
-        the cache has room: a token that finds no free slot (and none to evict) is
-        dropped and sets `cache.overflow`, which the caller checks after its loop.
+        the cache has room for the token (a free slot on its device, or a token there
+        that no query can see any more) and no layer's mask lets an earlier token see it.
+
+        **Arguments:**
+
+        - `token`: the new token id (an int32 scalar).
+        - `cache`: the [`ringeqx.KVCache`][] from `prefill` or an earlier `decode` of this
+            model (one example: map a batch with `jax.vmap`).
+        - `mesh`: the device mesh the cache was prefilled on (default: the one set by
+            `jax.set_mesh`).
+        - `on_overflow`: what a step that cannot be exact does. `"error"` (the default):
+            it raises (a `ValueError` where the cache's values are known, outside `jit`;
+            else `eqx.error_if` at run time, a host callback in the step). `"flag"`: the
+            token is dropped (no free slot) or kept (a mask that sees ahead), and
+            `cache.overflow` becomes True, for callers who check it once after their
+            loop, as [`ringeqx.generate`][] does: the compiled step then has no callback.
 
         **Returns:** `(logits, cache)`: logits `[vocab]` and the advanced cache.
+
+        **Raises:** a `ValueError` or `TypeError` before anything is traced for a cache
+        that does not fit this model and mesh (layers, kv heads, head_dim, dtype, slots,
+        devices) or an unknown `on_overflow`.
         """
         axis = self.blocks[0].attention.axis_name
-        mesh = resolve_mesh(mesh, axis)
-        if cache.num_shards != mesh.shape[axis] or cache.num_layers != len(self.blocks):
-            raise ValueError(
-                f"The cache has {cache.num_shards} shards and {cache.num_layers} layers; "
-                f"the ring axis {axis!r} has {mesh.shape[axis]} devices and the model "
-                f"{len(self.blocks)} layers; they must be equal."
-            )
+        mesh = inference_mesh(mesh, axis)
+        match on_overflow:
+            case "error" | "flag":
+                pass
+            case _:
+                raise ValueError(f"`on_overflow` must be 'error' or 'flag'; got {on_overflow!r}.")
+        _check_cache(self, cache, mesh.shape[axis])
+        check_devices(cache, mesh)
         distances = [b.attention.mask.max_distance() for b in self.blocks]
         bound = None if None in distances else max(d for d in distances if d is not None)
         slot, ok = cache.next_slot(bound)
+        # Masks that may look ahead: does an earlier token see this one? (Then its
+        # cached keys and values, never recomputed, are wrong.)
+        ahead = [
+            (f"{name} ({type(m).__name__})", m)
+            for name, m in layer_masks(self.blocks)
+            if m.max_lookahead() != 0
+        ]
+        sees = [jnp.any(sees_ahead(m, cache.records, cache.query())) for _, m in ahead]
+        if on_overflow == "error":
+            _raise_if_known(cache, ok, ahead, sees)
         slot = jnp.where(ok, slot, -1)  # a full cache drops the token and says so
         query, records = cache.query(), replicated(cache.write_records(slot), mesh)
         x = self.embedding(token)
@@ -309,13 +469,39 @@ class RingTransformerLM(eqx.Module):
             keys.append(k)
             values.append(v)
         logits = self.head(self.final_norm(x))
+        length = cache.length + 1
+        inexact = ~ok
+        for s in sees:
+            inexact = inexact | s
+        if on_overflow == "error":
+            # On the logits and the length (which every later step reads), not on the
+            # sharded cache arrays; on every device together.
+            checks = [
+                (
+                    ~ok,
+                    "`cache` is full: the new token found no free slot on its device and "
+                    "none that it could evict. Prefill with a larger `max_new_tokens` (or "
+                    "decode with on_overflow='flag' to drop the token and only set "
+                    "`cache.overflow`).",
+                )
+            ]
+            checks += [
+                (
+                    s,
+                    f"{name} must not let an earlier token attend to the new one, which a "
+                    "KV cache cannot serve (cached keys and values are never recomputed).",
+                )
+                for (name, _), s in zip(ahead, sees)
+            ]
+            for pred, msg in checks:
+                logits, length = error_if_together((logits, length), pred, msg, mesh)
         cache = KVCache(
             tuple(keys),
             tuple(values),
             records,
-            cache.length + 1,
+            length,
             cache.segment,
-            cache.overflow | ~ok,
+            cache.overflow | inexact,
             cache.num_shards,
         )
         return logits, cache
