@@ -229,9 +229,10 @@ def compile_trainable(mesh, *, seq: int = RING_SEQ, head_dim: int = 128) -> str:
     """Compile `jax.grad` of a ring loss over q, k, v *and* trainable score-modifier
     leaves (ALiBi slopes, a softcap given as an array) on `mesh` (`kernel="auto"`;
     `bias=`, a table looked up by key position, is a gather that neither Triton nor
-    Mosaic lowers, and the Pallas kernels refuse it when traced), in bfloat16 with GQA 4:1 and `Causal & Document`; check
-    that the Pallas kernels and the modifier's gradient pass are both in the scheduled
-    HLO and that nothing gathers the sequence; return the compiled text."""
+    Mosaic lowers, and the Pallas kernels refuse it when traced), in bfloat16 with GQA
+    4:1 and `Causal & Document`; check that the Pallas kernels and the modifier's
+    gradient pass are both in the scheduled HLO and that nothing gathers the sequence;
+    return the compiled text."""
     platform = mesh_device_type(mesh)
     heads, kv_heads = 4, 1
     sharded = NamedSharding(mesh, P(None, "sequence"))

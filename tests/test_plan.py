@@ -211,3 +211,39 @@ def test_cli_plan_defaults_and_argument_errors(capsys):
 
 def test_cli_profiles_are_the_hardware_profiles():
     assert set(PROFILES) == set(rx.HARDWARE)
+
+
+def test_target_plans_are_checked_before_compiling(capsys):
+    # A target names its chips; everything that does not fit it is said before any
+    # compiler is loaded (this suite has none: a valid target then names its package).
+    for target, match in [
+        ("v5q:2x2", r"`target` must be a TPU generation and slice \('v5p:4x4x4'\) or a GPU"),
+        ("v5p:4", r"`target` 'v5p:4': v5p needs a slice like 'v5p:4x4x4'"),
+        ("h100:2x2", r"`target` 'h100:2x2': h100 needs a count like 'h100:8'"),
+        ("h100:0", r"`target` must be .* got 'h100:0'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            rx.plan(1024, 4, heads=2, head_dim=64, target=target)
+    with pytest.raises(ValueError, match=r"must be the 64 chips of `target` 'v5p:4x4x4'; got 8"):
+        rx.plan(1024, 8, heads=2, head_dim=64, target="v5p:4x4x4")
+    with pytest.raises(ValueError, match=r"`device` must be 'h100' \(the profile of `target`"):
+        rx.plan(1024, 8, heads=2, head_dim=64, target="h100:8", device="tpu-v5p")
+    with pytest.raises(ValueError, match=r"`batch_devices` must divide the 4 chips"):
+        rx.longest_context("v5e:2x2", heads=2, head_dim=64, batch_devices=3)
+    for argv, match in [
+        (["--longest"], r"argument --longest: needs --target"),
+        (["--target", "v5p:4x4x4", "--devices", "8"],
+         r"argument --devices: must be the 64 chips of --target v5p:4x4x4 \(or left out\); got 8"),
+        (["--target", "tpu"], r"argument --target: must be a TPU generation and slice"),
+        (["--seq-len", "1G"], r"argument --seq-len: must be an integer >= 1, optionally with K"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main(["plan", *argv])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and "Traceback" not in err, err
+    # `--seq-len 1M` is 2**20 tokens; a target without its compiler says which package.
+    assert main(["plan", "--seq-len", "1M", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 2**20
+    assert main(["plan", "--target", "v5e:2x2"]) == 1
+    assert "pip install 'jax[tpu]==" in capsys.readouterr().out

@@ -36,9 +36,14 @@ from ._masks import (
     TileLocal as TileLocal,
 )
 from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
-from ._plan import Plan as Plan, plan as plan
+from ._plan import CompiledMemory as CompiledMemory, Plan as Plan
 from ._plan_check import measure_memory as measure_memory
 from ._plan_model import MemoryBreakdown as MemoryBreakdown
+from ._planner import (
+    ContextSearch as ContextSearch,
+    longest_context as longest_context,
+    plan as plan,
+)
 from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
 from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention

@@ -544,6 +544,8 @@ _PLAN_FLAGS = (
     (r"\bmax_memory_usage\b", "--max-memory-mib"),
     (r"\bseq_len=", "--seq-len "),
     (r"\bnum_devices=", "--devices "),
+    (r"`batch_devices \* num_devices`", "--devices"),
+    (r"`remat`", "--remat"),
 )
 
 
@@ -568,23 +570,33 @@ def plan(args: argparse.Namespace) -> int:
     }
     lm = {}
     if args.dim is not None:
-        lm = dict(dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size)
-    budget = None if args.max_memory_mib is None else int(args.max_memory_mib * 2**20)
-    try:
-        result = rx.plan(
-            args.seq_len,
-            args.devices,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=None if lm else args.head_dim,
-            batch=args.batch,
-            dtype=args.dtype,
-            mask=masks[args.mask],
-            device=args.profile,
-            max_memory_usage=budget,
-            **lm,
+        lm = dict(
+            dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size, hidden=args.hidden
         )
-    except ValueError as error:
+    budget = None if args.max_memory_mib is None else int(args.max_memory_mib * 2**20)
+    problem = dict(
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=None if lm else args.head_dim,
+        batch=args.batch,
+        dtype=args.dtype,
+        mask=masks[args.mask],
+        max_memory_usage=budget,
+        remat=args.remat,
+        **lm,
+    )
+    try:
+        if args.longest:
+            found = rx.longest_context(args.target, **problem, log=_say)
+            result = found.plan
+            _say(f"longest --seq-len on {args.target}: {result.seq_len:,} tokens "
+                 f"({len(found.probes)} compiles, {found.seconds:.0f} s)")
+        else:
+            device = {} if args.target is not None else {"device": args.profile}
+            result = rx.plan(
+                args.seq_len, args.devices, **problem, target=args.target, **device
+            )
+    except (ValueError, ImportError) as error:
         _say(f"ringeqx plan: {_in_flags(str(error))}")
         return 1
     _say(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
@@ -609,6 +621,27 @@ def _integer(text: str, least: int, most: int | None = None) -> int:
 
 def _positive(text: str) -> int:
     return _integer(text, 1)
+
+
+def _tokens(text: str) -> int:
+    """A token count, with an optional binary suffix: `128K` = 131072, `1M` = 2**20."""
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not (digits.isdigit() and int(digits) > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1, optionally with K or M (128K, 1M); got {text!r}"
+        )
+    return int(digits) * scale
+
+
+def _target(text: str) -> str:
+    """A cluster `ringeqx.target_mesh` knows: `v5p:4x4x4`, `h100:8`."""
+    try:
+        _target_chips(text)
+    except ValueError as error:
+        message = str(error).replace("`target` must be", "must be")
+        raise argparse.ArgumentTypeError(message.replace("`target` ", "")) from None
+    return text
 
 
 def _index(text: str) -> int:
@@ -690,6 +723,7 @@ PROFILES = (
     "tpu-v4",
     "tpu-v5e",
     "tpu-v5p",
+    "tpu-v6e",
     "h100",
     "h200",
 )
@@ -697,7 +731,7 @@ PROFILES = (
 
 def _common(sub: argparse.ArgumentParser, seq_len: int, heads: int, kv_heads: int):
     """The problem and the ring, which every command takes."""
-    sub.add_argument("--seq-len", type=_positive, default=seq_len, help="tokens")
+    sub.add_argument("--seq-len", type=_tokens, default=seq_len, help="tokens (128K, 1M)")
     sub.add_argument("--heads", type=_positive, default=heads, help="query heads")
     sub.add_argument(
         "--kv-heads", type=_positive, default=kv_heads, help="key/value heads"
@@ -816,9 +850,9 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
     plan_parser.add_argument(
         "--profile",
         choices=("cpu", *PROFILES),
-        default="h100",
+        default=None,
         help="device profile: its memory is the default budget, its tiles the ones tried "
-        "(cpu has no memory size: give --max-memory-mib)",
+        "(default h100, or the --target's; cpu has no memory size: give --max-memory-mib)",
     )
     plan_parser.add_argument(
         "--max-memory-mib",
@@ -826,8 +860,25 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
         default=None,
         help="budget per device in MiB (default: the profile's memory)",
     )
+    plan_parser.add_argument("--hidden", type=_positive, default=None, help="LM MLP width")
+    plan_parser.add_argument(
+        "--remat", choices=("none", "attention", "block"), default=None, help="fix the remat"
+    )
+    plan_parser.add_argument(
+        "--target",
+        type=_target,
+        default=None,
+        help="answer with this cluster's compiler: a TPU slice (v5p:4x4x4) or GPUs "
+        "(h100:8); --devices defaults to its chips, --profile to its chip",
+    )
+    plan_parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="with --target: search the longest --seq-len that fits (one compile a probe)",
+    )
     plan_parser.add_argument("--json", action="store_true", help="print JSON")
-    plan_parser.set_defaults(run=plan, parser=plan_parser)
+    # None: the target's, or else 8 devices and the h100 profile (see `_plan_defaults`).
+    plan_parser.set_defaults(run=plan, parser=plan_parser, devices=None, profile=None)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -919,6 +970,15 @@ def _misuse(args: argparse.Namespace) -> str | None:
                     f"{args.top_k}"
                 )
         case "plan":
+            if args.longest and args.target is None:
+                return "argument --longest: needs --target (each probe is a compile for it)"
+            if args.target is not None:
+                chips = _target_chips(args.target)
+                if args.devices not in (None, chips):
+                    return (
+                        f"argument --devices: must be the {chips} chips of --target "
+                        f"{args.target} (or left out); got {args.devices}"
+                    )
             if args.profile == "cpu" and args.max_memory_mib is None:
                 return (
                     "argument --profile: --profile cpu needs --max-memory-mib (the CPU "
@@ -989,12 +1049,34 @@ def _transfer_misuse(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _target_chips(target: str) -> int:
+    """The chips `target` names (importing JAX, but starting no backend)."""
+    from ._plan import target_chips
+
+    return target_chips(target)
+
+
+def _plan_defaults(args: argparse.Namespace) -> None:
+    """`ringeqx plan`'s defaults that depend on `--target`: its chips and its profile
+    (a plan from the model alone: 8 devices, the h100 profile). A GPU target's compiler
+    registers without a driver only when told before JAX starts."""
+    if args.target is None:
+        args.devices = 8 if args.devices is None else args.devices
+        args.profile = "h100" if args.profile is None else args.profile
+        return
+    args.devices = _target_chips(args.target)
+    if not args.target.startswith("v"):
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ringeqx` script and of `python -m ringeqx`."""
     args = _parser().parse_args(argv)
     problem = _misuse(args)
     if problem is not None:
         args.parser.error(problem)
+    if args.command == "plan":
+        _plan_defaults(args)
     # The demo also compiles for twice the devices, to show per-device memory halving;
     # in a multi-process run each process has `--local-devices` of its own.
     local = getattr(args, "local_devices", None)

@@ -1,6 +1,7 @@
 """`ringeqx.plan`: tile sizes, rematerialisation and a sharding strategy chosen so that ring
 attention (or a `RingTransformerLM` training step) fits a per-device memory budget."""
 
+import math
 from typing import Literal, NamedTuple
 
 import equinox as eqx
@@ -33,7 +34,7 @@ _REMATS: tuple[Remat, ...] = ("none", "attention", "block")
 _MIB = 2**20
 
 
-class _Problem(NamedTuple):
+class Problem(NamedTuple):
     """What a plan is for, checked: the problem's sizes, the mask, the device profile
     and the budget (the fields of `Plan` that the search does not choose)."""
 
@@ -53,6 +54,21 @@ class _Problem(NamedTuple):
     mask: AbstractMask
     device: str
     max_memory_usage: int
+
+
+class CompiledMemory(NamedTuple):
+    """What the target's compiler allocates for a planned program, in bytes per chip
+    (`compiled.memory_analysis()`: `outputs` counts those not aliased to a donated
+    argument), and how long the compile took."""
+
+    arguments: int
+    outputs: int
+    temp: int
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs + self.temp
 
 
 def _tiles(device: str) -> tuple[int, ...]:
@@ -100,6 +116,10 @@ class Plan(eqx.Module):
     - `device`: the device profile (`"cpu"` or a key of [`ringeqx.HARDWARE`][]).
     - `max_memory_usage`: the budget in bytes per device.
     - `memory`: the predicted [`ringeqx.MemoryBreakdown`][] per device.
+    - `target`: the cluster the plan was compiled for (`"v5p:4x4x4"`, `"h100:8"`), or
+        None for a plan from the model alone.
+    - `compiled`: with a `target`, the compiler's bytes per chip for the planned
+        program (`arguments`, `outputs`, `temp`, `total`) and the compile's seconds.
     """
 
     kind: Literal["attention", "lm"] = eqx.field(static=True)
@@ -123,6 +143,8 @@ class Plan(eqx.Module):
     device: str = eqx.field(static=True)
     max_memory_usage: int = eqx.field(static=True)
     memory: MemoryBreakdown
+    target: str | None = eqx.field(static=True, default=None)
+    compiled: CompiledMemory | None = eqx.field(static=True, default=None)
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -135,8 +157,12 @@ class Plan(eqx.Module):
         both)."""
         return self.block_q, self.block_kv
 
-    def kernel(self) -> XlaKernel:
-        """The kernel the prediction is calibrated for, with the planned tiles."""
+    def kernel(self) -> XlaKernel | Literal["auto"]:
+        """The kernel the prediction is calibrated for, with the planned tiles; for a
+        plan compiled for a `target`, `"auto"`: the Pallas kernel of the mesh's
+        platform, with its own tiles (which live in on-chip memory, not in HBM)."""
+        if self.target is not None:
+            return "auto"
         return XlaKernel(self.block_q, self.block_kv)
 
     def layout(self, segment_ids=None):
@@ -178,15 +204,24 @@ class Plan(eqx.Module):
         }
         memory = {name: getattr(self.memory, name) for name in CATEGORIES}
         out["memory"] = memory | {"total": self.memory.total}
+        if self.target is not None:
+            out["target"] = self.target
+        if self.compiled is not None:
+            out["compiled"] = self.compiled._asdict() | {"total": self.compiled.total}
         return out
 
     def table(self) -> str:
         """The plan as a Markdown table (sizes in MiB per device)."""
         d = self.to_dict()
         memory = d.pop("memory")
+        compiled = d.pop("compiled", None)
+        d["max_memory_usage"] = f"{self.max_memory_usage / _MIB:,.1f} MiB"
         rows = [(k, str(v)) for k, v in d.items() if v is not None]
-        rows[-1] = ("max_memory_usage", f"{self.max_memory_usage / _MIB:,.1f} MiB")
         rows += [(f"memory: {k}", f"{v / _MIB:,.1f} MiB") for k, v in memory.items()]
+        if compiled is not None:
+            seconds = compiled.pop("seconds")
+            rows += [(f"compiled: {k}", f"{v / _MIB:,.1f} MiB") for k, v in compiled.items()]
+            rows += [("compiled in", f"{seconds:.1f} s")]
         lines = ["| setting | value |", "|---|---|"]
         return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows])
 
@@ -200,7 +235,7 @@ def _ring_size(
     return layout.capacity, ring_window(mask, layout)[1]
 
 
-def _shapes(cfg: _Problem, block: int, num_devices: int) -> Shapes:
+def _shapes(cfg: Problem, block: int, num_devices: int) -> Shapes:
     strategy = suggest_strategy(cfg.mask, block)
     capacity, num_steps = _ring_size(strategy, cfg.mask, cfg.seq_len, num_devices)
     return Shapes(
@@ -217,14 +252,14 @@ def _shapes(cfg: _Problem, block: int, num_devices: int) -> Shapes:
     )
 
 
-def _problem(cfg: _Problem, block: int, remat: Remat, num_devices: int) -> Shapes | LMShapes:
+def _problem(cfg: Problem, block: int, remat: Remat, num_devices: int) -> Shapes | LMShapes:
     shapes = _shapes(cfg, block, num_devices)
     if cfg.kind == "attention":
         return shapes
     return LMShapes(shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat)
 
 
-def _predict(cfg: _Problem, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
+def predict(cfg: Problem, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
     problem = _problem(cfg, block, remat, num_devices)
     if isinstance(problem, LMShapes):
         return predict_lm(problem)
@@ -233,50 +268,63 @@ def _predict(cfg: _Problem, block: int, remat: Remat, num_devices: int) -> Memor
 
 def plan_problem(p: Plan) -> Shapes | LMShapes:
     """The per-device sizes the model predicts `p` from (for calibration)."""
-    cfg = _Problem(*(getattr(p, name) for name in _Problem._fields))
+    cfg = Problem(*(getattr(p, name) for name in Problem._fields))
     return _problem(cfg, p.block_q, p.remat, p.num_devices)
 
 
-def _make(cfg: _Problem, block: int, remat: Remat, memory: MemoryBreakdown) -> Plan:
+def make_plan(
+    cfg: Problem,
+    block: int,
+    remat: Remat,
+    memory: MemoryBreakdown,
+    *,
+    tiles: tuple[int, int] | None = None,
+    target: str | None = None,
+    compiled: CompiledMemory | None = None,
+) -> Plan:
+    """The plan of `cfg` with these knobs (`tiles`: the kernel's, when not `block`'s)."""
+    block_q, block_kv = (block, block) if tiles is None else tiles
     return Plan(
         **cfg._asdict(),
         strategy=suggest_strategy(cfg.mask, block),
-        block_q=block,
-        block_kv=block,
+        block_q=block_q,
+        block_kv=block_kv,
         remat=remat,
         memory=memory,
+        target=target,
+        compiled=compiled,
     )
 
 
-def _remats(cfg: _Problem, remat: Remat | None) -> tuple[Remat, ...]:
+def _remats(cfg: Problem, remat: Remat | None) -> tuple[Remat, ...]:
     if remat is not None:
         return (remat,)
     return _REMATS if cfg.kind == "lm" else ("none",)
 
 
-def _search(cfg: _Problem, remat: Remat | None, block: int | None) -> Plan | None:
+def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None:
     """The first (remat, tile) that fits, cheapest in compute first: no remat with
     smaller tiles before remat."""
     blocks = _tiles(cfg.device) if block is None else (block,)
     for r in _remats(cfg, remat):
         for b in blocks:
-            memory = _predict(cfg, b, r, cfg.num_devices)
+            memory = predict(cfg, b, r, cfg.num_devices)
             if _fits(cfg, memory):
-                return _make(cfg, b, r, memory)
+                return make_plan(cfg, b, r, memory)
     return None
 
 
-def _fits(cfg: _Problem, memory: MemoryBreakdown) -> bool:
+def _fits(cfg: Problem, memory: MemoryBreakdown) -> bool:
     """Whether the prediction, with the model's headroom, is within the budget."""
     return memory.total * (1 + headroom(cfg.kind)) <= cfg.max_memory_usage
 
 
-def _no_fit_message(cfg: _Problem, remat: Remat | None, block: int | None) -> str:
+def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str:
     """What would fit: more devices on the ring, or a larger budget."""
     r = _remats(cfg, remat)[-1]
     b = _tiles(cfg.device)[-1] if block is None else block
     p, budget = cfg.num_devices, cfg.max_memory_usage
-    least = _predict(cfg, b, r, p)
+    least = predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
     need = least.total * (1 + headroom(cfg.kind))
     head = (
@@ -294,13 +342,59 @@ def _no_fit_message(cfg: _Problem, remat: Remat | None, block: int | None) -> st
     more = p
     while more < 2**16 * p:
         more *= 2
-        memory = _predict(cfg, b, r, more)
+        memory = predict(cfg, b, r, more)
         if _fits(cfg, memory):
             return (
                 f"{head}. It fits on num_devices={more} ({memory.total / _MIB:,.1f} MiB "
                 f"per device), or raise max_memory_usage to {need / _MIB:,.1f} MiB."
             )
     return f"{head}: raise max_memory_usage to {need / _MIB:,.1f} MiB."
+
+
+# A target's generation (as `ringeqx.target_mesh` names it) -> its device profile.
+_PROFILES = {
+    "v4": "tpu-v4",
+    "v5e": "tpu-v5e",
+    "v5p": "tpu-v5p",
+    "v6e": "tpu-v6e",
+    "a100": "a100-nvlink",
+    "h100": "h100",
+    "h200": "h200",
+}
+
+
+def target_chips(target: str) -> int:
+    """The chip count of `"v5p:4x4x4"` (a slice) or `"h100:8"` (a count), read from the
+    name (no compiler needed); a ValueError naming `target` for anything else."""
+    name, _, size = target.partition(":") if isinstance(target, str) else ("", "", "")
+    dims = size.split("x")
+    if name not in _PROFILES or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(
+            "`target` must be a TPU generation and slice ('v5p:4x4x4') or a GPU and a "
+            f"count ('h100:8'), from {sorted(_PROFILES)}; got {target!r}."
+        )
+    if name.startswith("v") != (len(dims) > 1):
+        what = "a slice like 'v5p:4x4x4'" if name.startswith("v") else "a count like 'h100:8'"
+        raise ValueError(f"`target` {target!r}: {name} needs {what}.")
+    return math.prod(int(d) for d in dims)
+
+
+def target_profile(target: str, device: str, devices: int) -> str:
+    """The device profile of `target`, checked against `device` (its default or the
+    same) and against the plan's `batch_devices * num_devices` (its chip count)."""
+    chips = target_chips(target)
+    profile = _PROFILES[target.partition(":")[0]]
+    if device not in ("cpu", profile):
+        raise ValueError(
+            f"`device` must be {profile!r} (the profile of `target` {target!r}) or left "
+            f"out; got {device!r}."
+        )
+    if devices != chips:
+        raise ValueError(
+            f"`batch_devices * num_devices` must be the {chips} chips of `target` "
+            f"{target!r}; got {devices}."
+        )
+    return profile
 
 
 def _budget(device: str, max_memory_usage: int | None) -> int:
@@ -370,7 +464,7 @@ def _lm_sizes(heads: int, dim, num_layers, vocab_size, hidden, head_dim) -> dict
     return {"kind": "lm", **given, "hidden": hidden, "head_dim": head_dim}
 
 
-def plan(
+def problem(
     seq_len: int,
     num_devices: int,
     *,
@@ -388,47 +482,10 @@ def plan(
     device: str = "cpu",
     max_memory_usage: int | None = None,
     remat: Remat | None = None,
-    block_size: int | None = None,
-) -> Plan:
-    """Choose tiles, rematerialisation and a sharding strategy that fit a memory budget.
-
-    Two problems: ring attention's forward and backward alone (give `head_dim`), or a
-    [`ringeqx.nn.RingTransformerLM`][] training step with Adam (give `dim`, `num_layers`
-    and `vocab_size`; the LM runs in float32). The planner predicts each candidate's
-    bytes per device with a model of the arrays the program holds, calibrated against
-    XLA's `memory_analysis()` (see the [memory guide](../memory.md#planning-memory)),
-    and returns the first candidate that fits, cheapest in compute first: no remat
-    before `"attention"` before `"block"`, and for each the largest tile that fits.
-
-    **Arguments:**
-
-    - `seq_len`: tokens per example. `num_devices`: devices on the ring.
-    - `heads`, `kv_heads` (default `heads`), `head_dim` (default `dim // heads`).
-    - `batch`: examples per step; `batch_devices`: devices on the `"batch"` mesh axis
-        (each holds `batch / batch_devices` examples).
-    - `dtype`: of q/k/v (attention alone).
-    - `mask`: the attention mask (default `Causal()`); the plan suggests its strategy
-        (`Zigzag` for causal, `WorkBalanced` for packed documents, `Uniform` for windows
-        and full attention).
-    - `dim`, `num_layers`, `vocab_size`, `hidden` (default `4 * dim`): the LM.
-    - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
-        budget).
-    - `max_memory_usage`: bytes per device (default: the device profile's memory).
-    - `remat`, `block_size`: fix a knob instead of searching it.
-
-    **Returns:** a [`ringeqx.Plan`][].
-
-    **Raises:** `ValueError` when nothing fits, saying what would: how many devices on
-    the ring, or how large a budget.
-
-    **Example:**
-
-    ```python
-    p = ringeqx.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
-                     max_memory_usage=2**30)
-    model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
-    ```
-    """
+    target: str | None = None,
+) -> tuple[Problem, tuple[Remat, ...]]:
+    """`plan`'s arguments checked, as the problem and the remats to try (see
+    `ringeqx._planner.plan`)."""
     sizes = _sizes(
         seq_len=seq_len,
         num_devices=num_devices,
@@ -438,7 +495,9 @@ def plan(
         kv_heads=heads if kv_heads is None else kv_heads,
     )
     lm = _lm_sizes(sizes["heads"], dim, num_layers, vocab_size, hidden, head_dim)
-    cfg = _Problem(
+    if target is not None:
+        device = target_profile(target, device, sizes["batch_devices"] * sizes["num_devices"])
+    cfg = Problem(
         **sizes,
         **lm,
         dtype=_float_name(jnp.float32 if lm["kind"] == "lm" else dtype),
@@ -453,6 +512,11 @@ def plan(
             f"`remat`={remat!r} needs an LM plan (`dim`, ...): attention alone has no "
             "layers to rematerialise (its custom VJP already recomputes the scores)."
         )
+    return cfg, _remats(cfg, remat)
+
+
+def analytic_plan(cfg: Problem, remat: Remat | None, block_size: int | None) -> Plan:
+    """The first candidate the model predicts fits, or a ValueError saying what would."""
     found = _search(cfg, remat, block_size)
     if found is None:
         raise ValueError(_no_fit_message(cfg, remat, block_size))

@@ -1,5 +1,8 @@
 """`measure_memory`: compile the program a [`ringeqx.Plan`][] describes and read its
-per-device memory from XLA (`memory_analysis()`), allocating no arrays."""
+per-device memory from XLA (`memory_analysis()`), allocating no arrays; and the search
+that plans for a target cluster with its own compiler."""
+
+import time
 
 import equinox as eqx
 import jax
@@ -9,11 +12,31 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import nn
 from ._call import ring_attention
-from ._plan import Plan
+from ._kernels._pallas_gpu import PallasGpuKernel
+from ._kernels._pallas_tpu import PallasTpuKernel
+from ._plan import (
+    CompiledMemory,
+    Plan,
+    Problem,
+    Remat,
+    make_plan,
+    predict,
+)
+from ._targets import target_mesh
+
+
+_GIB = 2**30
 
 
 def _mesh(plan: Plan) -> Mesh:
-    """`("batch", "sequence")` devices, the first `batch_devices * num_devices` of JAX's."""
+    """`("batch", "sequence")` devices: the plan's target's chips, or the first
+    `batch_devices * num_devices` of JAX's."""
+    if plan.target is not None:
+        return target_mesh(
+            plan.target,
+            mesh_shape=(plan.batch_devices, plan.num_devices),
+            axis_names=("batch", "sequence"),
+        )
     count = plan.batch_devices * plan.num_devices
     if count > len(jax.devices()):
         raise ValueError(
@@ -56,6 +79,8 @@ def _lm_program(plan: Plan, mesh: Mesh, layout):
     )
     is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     params, static = eqx.partition(model, is_param)
+    if plan.target is not None:
+        params = jax.tree.map(lambda x: _fully_sharded(x, mesh), params)
     seq = NamedSharding(mesh, PartitionSpec("batch", "sequence"))
     tokens = jax.ShapeDtypeStruct((plan.batch, layout.sharded_len), jnp.int32, sharding=seq)
     count = jax.ShapeDtypeStruct((), jnp.int32)
@@ -73,6 +98,21 @@ def _lm_program(plan: Plan, mesh: Mesh, layout):
         return value, _adam(params, grads, m, v, count)
 
     return step, (params, params, params, count, tokens, tokens)
+
+
+def _fully_sharded(x: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """`x` sharded over every device along its largest axis that they divide (fully
+    sharded data parallel, as a model too large for one chip is trained), else
+    replicated: a target plan's parameters and optimizer state."""
+    n = mesh.size
+    axes = sorted(range(len(x.shape)), key=lambda a: -x.shape[a])
+    spec = [None] * len(x.shape)
+    for a in axes:
+        if x.shape[a] % n == 0:
+            spec[a] = ("batch", "sequence")
+            break
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def _attention_program(plan: Plan, mesh: Mesh, layout):
@@ -109,20 +149,95 @@ def measure_memory(plan: Plan) -> dict[str, int]:
     four packed documents of equal length.
 
     Needs `batch_devices * num_devices` devices (on CPU, fake them with
-    `XLA_FLAGS=--xla_force_host_platform_device_count=8`).
+    `XLA_FLAGS=--xla_force_host_platform_device_count=8`), or for a plan with a `target`
+    that target's compiler: the program then runs on its chips, with the platform's
+    Pallas kernel, and an LM's parameters and Adam state fully sharded and donated
+    (`outputs` counts what is not aliased to them).
 
     **Returns:** `{"arguments", "outputs", "temp", "total"}` in bytes per device, as
     `compiled.memory_analysis()` reports them (`total` is their sum).
     """
+    memory = compile_plan(plan)[0]
+    out = {"arguments": memory.arguments, "outputs": memory.outputs, "temp": memory.temp}
+    out["total"] = memory.total
+    return out
+
+
+def compile_plan(plan: Plan) -> tuple[CompiledMemory, jax.stages.Compiled]:
+    """Compile the program `plan` describes (see `measure_memory`) on its mesh: the
+    target's chips for a plan with a `target`. Returns the compiler's bytes per device
+    and the compiled program."""
     mesh = _mesh(plan)
     layout = _layout(plan)
     build = _lm_program if plan.kind == "lm" else _attention_program
     step, args = build(plan, mesh, layout)
-    stats = jax.jit(step).lower(*args).compile().memory_analysis()
-    out = {
-        "arguments": int(stats.argument_size_in_bytes),
-        "outputs": int(stats.output_size_in_bytes),
-        "temp": int(stats.temp_size_in_bytes),
-    }
-    out["total"] = sum(out.values())
-    return out
+    # A target LM step donates its parameters and Adam state, as a training loop does:
+    # the updated ones then reuse their buffers (outputs aliased to arguments).
+    donate = (0, 1, 2) if plan.kind == "lm" and plan.target is not None else ()
+    start = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=donate).lower(*args).compile()
+    stats = compiled.memory_analysis()
+    memory = CompiledMemory(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes) - int(stats.alias_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+        seconds=time.perf_counter() - start,
+    )
+    return memory, compiled
+
+
+def _kernel_tiles(cfg: Problem) -> tuple[int, int]:
+    """The forward tiles of the Pallas kernel a target's mesh picks (its defaults on a
+    TPU, its tuned table on a GPU, for the plan's dtype and head_dim)."""
+    if cfg.device.startswith("tpu"):
+        kernel = PallasTpuKernel()
+        return kernel.block_q, kernel.block_kv
+    return PallasGpuKernel().launch("forward", cfg.dtype, cfg.head_dim)[:2]
+
+
+def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Plan:
+    """The first of `remats` whose program, compiled for `target`, fits the budget
+    (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
+    does."""
+    tiles = _kernel_tiles(cfg)
+    tried, total, seconds = [], None, 0.0
+    for remat in remats:
+        memory = predict(cfg, tiles[0], remat, cfg.num_devices)
+        plan = make_plan(cfg, tiles[0], remat, memory, tiles=tiles, target=target)
+        start = time.perf_counter()
+        try:
+            compiled, _ = compile_plan(plan)
+        except jax.errors.JaxRuntimeError as e:
+            # A program larger than the chip: the compiler refuses it (RESOURCE_EXHAUSTED).
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            seconds += time.perf_counter() - start
+            tried.append(f"remat={remat!r}: more than the chip (the compiler refused it)")
+            total = None
+            continue
+        seconds += compiled.seconds
+        plan = make_plan(
+            cfg, tiles[0], remat, memory, tiles=tiles, target=target, compiled=compiled
+        )
+        if compiled.total <= cfg.max_memory_usage:
+            return plan
+        total = compiled.total
+        tried.append(f"remat={remat!r}: {total / _GIB:,.2f} GiB")
+    raise NoFit(
+        f"Nothing fits in max_memory_usage={cfg.max_memory_usage / _GIB:,.2f} GiB per chip "
+        f"of {target}: seq_len={cfg.seq_len} compiles to {'; '.join(tried)} per chip (the "
+        "compiler's bytes). Shorten the sequence, add chips, or raise max_memory_usage.",
+        total,
+        cfg.max_memory_usage,
+        seconds,
+    )
+
+
+class NoFit(ValueError):
+    """Nothing fits the budget on the target: the error of a compiled plan, with the
+    last candidate's bytes per chip (`total`, None where the compiler refused it as
+    larger than the chip), the `budget` and the compiles' `seconds`."""
+
+    def __init__(self, message: str, total: int | None, budget: int, seconds: float):
+        super().__init__(message)
+        self.total, self.budget, self.seconds = total, budget, seconds

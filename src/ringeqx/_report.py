@@ -46,7 +46,7 @@ _GIB = 2**30
 # Memory per JAX device: A100/H100 80 GB, H200 141 GB; TPU v3 16 GiB per core (a JAX
 # device), v4 32 GiB, v5e 16 GiB, v5p 95 GiB per chip.
 # The first five are the Ring Attention paper's Table 2 constants; H100/H200 (SXM,
-# NVLink 4: 900 GB/s both ways) and v5p (ICI 4,800 Gbps per chip) are vendor peaks.
+# NVLink 4: 900 GB/s both ways), v5p (ICI 4,800 Gbps per chip) and v6e are vendor peaks.
 HARDWARE = {
     "a100-nvlink": Hardware("A100 NVLink", 312e12, 300e9, 80 * _GIB),
     "a100-infiniband": Hardware("A100 InfiniBand", 312e12, 12.5e9, 80 * _GIB),
@@ -54,6 +54,8 @@ HARDWARE = {
     "tpu-v4": Hardware("TPU v4", 275e12, 268e9, 32 * _GIB),
     "tpu-v5e": Hardware("TPU v5e", 197e12, 186e9, 16 * _GIB),
     "tpu-v5p": Hardware("TPU v5p", 459e12, 600e9, 95 * _GIB),
+    # v6e (Trillium): 918 TFLOP/s bf16, ICI 3,584 Gbps per chip, 32 GiB HBM.
+    "tpu-v6e": Hardware("TPU v6e", 918e12, 448e9, 32 * _GIB),
     "h100": Hardware("H100 NVLink", 989e12, 450e9, 80 * _GIB),
     "h200": Hardware("H200 NVLink", 989e12, 450e9, 141 * 10**9),
 }

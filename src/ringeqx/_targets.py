@@ -162,6 +162,8 @@ def target_devices(target: str, size: int | str | None = None) -> tuple:
                 f"bare name (e.g. target_mesh('v5p', '2x2x1')); got size={size!r}."
             )
         target, size = target.split(":", 1)
+        if target in GPUS and size.isdigit():
+            size = int(size)  # "h100:8": a count
     if target in TPUS:
         if not isinstance(size, str) or not size:
             raise ValueError(
@@ -210,7 +212,8 @@ def target_mesh(
     - `target`: a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`) with its slice,
         as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")`; or a GPU (`"h100"`, `"h200"`,
         `"a100"`; their published figures are in `ringeqx._targets.GPUS`) with a
-        device count (default 8; more than 8 are hosts of 8).
+        device count (default 8; more than 8 are hosts of 8), as `"h100:8"` or
+        `target_mesh("h100", 8)`.
     - `size`: the slice topology (TPU) or device count (GPU), when `target` has none.
     - `mesh_shape`: the mesh's shape (default: one axis over every device).
     - `axis_names`: the mesh's axis names, one per axis of `mesh_shape`.

@@ -1,0 +1,42 @@
+"""The compile-backed planner's small cases, shared by test_tpu_plan and test_gpu_plan:
+`ringeqx.plan(..., target=...)` for attention and for an LM training step, and
+`ringeqx.longest_context`, each answered by the target's compiler."""
+
+import jax.numpy as jnp
+import pytest
+
+import ringeqx as rx
+
+
+_MIB = 2**20
+ATTENTION = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+LM = dict(heads=4, kv_heads=2, dim=256, num_layers=1, vocab_size=1024)
+
+
+def check_plans(target: str, devices: int) -> None:
+    """An attention plan and an LM plan for `target` fit their budgets by the compiler's
+    count, which `measure_memory` reproduces; an impossible one says what it compiled."""
+    p = rx.plan(8192, devices, target=target, **ATTENTION)
+    assert p.target == target and p.kernel() == "auto"
+    assert 0 < p.compiled.total <= p.max_memory_usage
+    assert rx.measure_memory(p)["total"] == p.compiled.total
+    lm = rx.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
+    assert lm.kind == "lm" and lm.remat == "none"
+    assert 0 < lm.compiled.total <= 1024 * _MIB
+    with pytest.raises(ValueError, match=rf"Nothing fits in max_memory_usage=0.00 GiB per chip "
+                       rf"of {target}: seq_len=8192 compiles to remat='none': "):
+        rx.plan(8192, devices, target=target, max_memory_usage=_MIB, **ATTENTION)
+
+
+def check_longest_context(target: str) -> None:
+    """The longest context under a small budget: the answer fits, every longer length
+    tried does not, and the search stops within 1/8 of it (or one unit)."""
+    budget = 192 * _MIB
+    lines = []
+    found = rx.longest_context(target, max_memory_usage=budget, log=lines.append, **ATTENTION)
+    p = found.plan
+    assert p.compiled.total <= budget and len(lines) == len(found.probes)
+    assert all(ok == (seq <= p.seq_len) for seq, _, ok in found.probes)
+    unit = 2 * p.num_devices * 1024
+    longer = [seq for seq, _, ok in found.probes if not ok]
+    assert longer and min(longer) - p.seq_len <= max(unit, p.seq_len // 8)

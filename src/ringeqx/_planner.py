@@ -1,0 +1,316 @@
+"""`ringeqx.plan` and `ringeqx.longest_context`: the plan of a problem from the memory
+model, or from a target cluster's own compiler, and the longest context that fits."""
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from ._masks import AbstractMask
+from ._numbers import check_size
+from ._plan import CompiledMemory, Plan, Remat, analytic_plan, problem, target_chips
+from ._plan_check import NoFit, compiled_search
+from ._report import HARDWARE
+
+
+_GIB = 2**30
+
+
+def plan(
+    seq_len: int,
+    num_devices: int,
+    *,
+    heads: int,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    batch: int = 1,
+    batch_devices: int = 1,
+    dtype: DTypeLike = jnp.float32,
+    mask: AbstractMask | None = None,
+    dim: int | None = None,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+    hidden: int | None = None,
+    device: str = "cpu",
+    max_memory_usage: int | None = None,
+    remat: Remat | None = None,
+    block_size: int | None = None,
+    target: str | None = None,
+) -> Plan:
+    """Choose tiles, rematerialisation and a sharding strategy that fit a memory budget.
+
+    Two problems: ring attention's forward and backward alone (give `head_dim`), or a
+    [`ringeqx.nn.RingTransformerLM`][] training step with Adam (give `dim`, `num_layers`
+    and `vocab_size`; the LM runs in float32). The planner predicts each candidate's
+    bytes per device with a model of the arrays the program holds, calibrated against
+    XLA's `memory_analysis()` (see the [memory guide](../memory.md#planning-memory)),
+    and returns the first candidate that fits, cheapest in compute first: no remat
+    before `"attention"` before `"block"`, and for each the largest tile that fits.
+
+    **Arguments:**
+
+    - `seq_len`: tokens per example. `num_devices`: devices on the ring.
+    - `heads`, `kv_heads` (default `heads`), `head_dim` (default `dim // heads`).
+    - `batch`: examples per step; `batch_devices`: devices on the `"batch"` mesh axis
+        (each holds `batch / batch_devices` examples).
+    - `dtype`: of q/k/v (attention alone).
+    - `mask`: the attention mask (default `Causal()`); the plan suggests its strategy
+        (`Zigzag` for causal, `WorkBalanced` for packed documents, `Uniform` for windows
+        and full attention).
+    - `dim`, `num_layers`, `vocab_size`, `hidden` (default `4 * dim`): the LM.
+    - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
+        budget).
+    - `max_memory_usage`: bytes per device (default: the device profile's memory).
+    - `remat`, `block_size`: fix a knob instead of searching it.
+    - `target`: a cluster to answer for with its own compiler, `"v5p:4x4x4"` (a TPU
+        generation and slice) or `"h100:8"` (a GPU and a count), as
+        [`ringeqx.target_mesh`][] takes it; `batch_devices * num_devices` must be its
+        chip count, `device` is its profile and its chip's memory the default budget.
+        Each candidate (no remat, then `"attention"`, then `"block"`) is compiled for the
+        target (its Pallas kernel; an LM's parameters and Adam state fully sharded over
+        every chip and donated to the step, as a training loop does) until one fits:
+        `plan.compiled` holds the compiler's bytes per chip, exact where the model is an
+        estimate. Needs the target's compiler
+        (`pip install "jax[tpu]"` or `"jax[cuda12]"` at JAX's version); seconds to
+        minutes a compile.
+
+    **Returns:** a [`ringeqx.Plan`][].
+
+    **Raises:** `ValueError` when nothing fits, saying what would: how many devices on
+    the ring, or how large a budget.
+
+    **Example:**
+
+    ```python
+    p = ringeqx.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
+                     max_memory_usage=2**30)
+    model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    ```
+    """
+    cfg, remats = problem(
+        seq_len,
+        num_devices,
+        heads=heads,
+        head_dim=head_dim,
+        kv_heads=kv_heads,
+        batch=batch,
+        batch_devices=batch_devices,
+        dtype=dtype,
+        mask=mask,
+        dim=dim,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        hidden=hidden,
+        device=device,
+        max_memory_usage=max_memory_usage,
+        remat=remat,
+        target=target,
+    )
+    if target is not None:
+        return compiled_search(cfg, target, remats)
+    return analytic_plan(cfg, remat, block_size)
+
+
+class ContextSearch(NamedTuple):
+    """The answer of [`ringeqx.longest_context`][].
+
+    **Fields:**
+
+    - `plan`: the longest context that fits, as its [`ringeqx.Plan`][] (with the
+        compiler's bytes per chip in `plan.compiled`).
+    - `probes`: every length compiled, in order, as `(seq_len, total bytes per chip or
+        None where the compiler refused it, fits)`.
+    - `seconds`: the search's wall time.
+    - `layers_compiled`: None where every probe compiled the whole program, else the
+        LM's probes compiled 1 and 2 layers and extrapolated (`plan.compiled` too).
+    """
+
+    plan: Plan
+    probes: tuple[tuple[int, int | None, bool], ...]
+    seconds: float
+    layers_compiled: int | None = None
+
+
+def longest_context(
+    target: str,
+    *,
+    heads: int,
+    head_dim: int | None = None,
+    kv_heads: int | None = None,
+    dim: int | None = None,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+    hidden: int | None = None,
+    batch: int = 1,
+    batch_devices: int = 1,
+    dtype: DTypeLike = jnp.bfloat16,
+    mask: AbstractMask | None = None,
+    max_memory_usage: int | None = None,
+    remat: Remat | None = None,
+    start: int | None = None,
+    extrapolate_layers: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> ContextSearch:
+    """The longest sequence that ring attention, or a `RingTransformerLM` training step,
+    fits in on `target`, answered by the target's compiler.
+
+    A search over compiles of [`ringeqx.plan`][]`(..., target=target)`: the length
+    doubles from `start` until a program no longer fits, then the gap is halved until it
+    is within 1/8 of the answer. Lengths are multiples of `2 * num_devices * 1024` (whole
+    1024-token tiles, and zigzag's two chunks a device). Each probe is one compile
+    (seconds for attention, minutes for a large LM's unrolled layers); `log` is told
+    each one as it ends (pass None for silence).
+
+    **Arguments:** as [`ringeqx.plan`][], with `target` required and the ring its chips
+    over `batch_devices`; `remat` defaults to `"block"` for an LM (the least memory, so
+    the longest context). `start`: the first length tried (default 16 units).
+    `extrapolate_layers`: for an LM, compile each probe with 1 and 2 layers and take
+    the bytes per chip as linear in the layer count (its blocks are identical, so each
+    adds the same parameters, state and saved activations: on a v5p slice with
+    Llama-3-8B's shapes, 1, 2 and 4 layers agree with a line to 0.1%). Seconds a probe
+    instead of minutes for 32 or 80 unrolled layers; an estimate from the compiler,
+    not its answer.
+
+    **Returns:** a [`ringeqx.ContextSearch`][].
+
+    **Raises:** `ValueError` when not even one unit fits.
+    """
+    chips = target_chips(target)
+    batch_devices = check_size("batch_devices", batch_devices)
+    if chips % batch_devices:
+        raise ValueError(
+            f"`batch_devices` must divide the {chips} chips of `target` {target!r}; got "
+            f"{batch_devices}."
+        )
+    num_devices = chips // batch_devices
+    is_lm = dim is not None
+    remat = ("block" if is_lm else None) if remat is None else remat
+    unit = 2 * num_devices * 1024
+    probes: list[tuple[int, int | None, bool]] = []
+    found: dict[int, Plan] = {}
+    begin = time.perf_counter()
+
+    problem = dict(
+        heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch,
+        batch_devices=batch_devices, dtype=dtype, mask=mask, dim=dim, vocab_size=vocab_size,
+        hidden=hidden, remat=remat,
+    )  # fmt: skip
+    extrapolate = extrapolate_layers and is_lm and num_layers > 2
+
+    def fits(seq_len: int) -> bool:
+        try:
+            if extrapolate:
+                p = _extrapolated(seq_len, num_devices, num_layers, target, max_memory_usage,
+                                  problem)
+            else:
+                p = plan(seq_len, num_devices, num_layers=num_layers, target=target,
+                         max_memory_usage=max_memory_usage, **problem)
+        except NoFit as e:
+            probes.append((seq_len, e.total, False))
+            _say(log, seq_len, e.total, e.budget, False, e.seconds, len(probes))
+            return False
+        found[seq_len] = p
+        probes.append((seq_len, p.compiled.total, True))
+        _say(log, seq_len, p.compiled.total, p.max_memory_usage, True, p.compiled.seconds,
+             len(probes))
+        return True
+
+    start = unit * 16 if start is None else check_size("start", start)
+    lo = _longest(fits, unit, max(unit, -(-start // unit) * unit), target)
+    seconds = time.perf_counter() - begin
+    return ContextSearch(found[lo], tuple(probes), seconds, 2 if extrapolate else None)
+
+
+def _longest(fits: Callable[[int], bool], unit: int, seq: int, target: str) -> int:
+    """The longest multiple of `unit` that `fits`, to within 1/8 (or one unit), from a
+    first try at `seq`: doubling until one does not fit (or halving until one does),
+    then bisecting."""
+    if fits(seq):  # bracket the answer: grow until a length does not fit ...
+        lo = seq
+        while fits(seq := seq * 2):
+            lo = seq
+        hi = seq
+    else:  # ... or shrink until one does
+        hi = seq
+        while True:
+            if seq == unit:
+                raise ValueError(
+                    f"Nothing fits on {target}, not even seq_len={unit} (one unit of "
+                    "2 * num_devices * 1024 tokens): raise max_memory_usage or add chips."
+                )
+            seq = max(unit, seq // 2 // unit * unit)
+            if fits(seq):
+                lo = seq
+                break
+            hi = seq
+    while hi - lo > max(unit, lo // 8):
+        mid = (lo + hi) // 2 // unit * unit
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _extrapolated(
+    seq_len: int, num_devices: int, layers: int, target: str, budget: int | None, problem
+) -> Plan:
+    """The plan of a `layers`-layer LM on `target`, its compiled bytes per chip
+    extrapolated from compiles of 1 and 2 layers (see `longest_context`); NoFit when
+    they exceed the budget."""
+    unbounded = 2**62
+    few = [
+        plan(seq_len, num_devices, num_layers=n, target=target, max_memory_usage=unbounded,
+             **problem)
+        for n in (1, 2)
+    ]  # fmt: skip
+    one, two = (p.compiled for p in few)
+
+    def line(a: int, b: int) -> int:
+        return a + (b - a) * (layers - 1)
+
+    memory = CompiledMemory(
+        line(one.arguments, two.arguments),
+        line(one.outputs, two.outputs),
+        line(one.temp, two.temp),
+        one.seconds + two.seconds,
+    )
+    device = few[1].device
+    budget = HARDWARE[device].memory if budget is None else budget
+    if memory.total > budget:
+        raise NoFit(
+            f"seq_len={seq_len} needs {memory.total / _GIB:,.2f} GiB per chip of {target} "
+            f"(extrapolated from 1 and 2 layers to {layers}); the budget is "
+            f"{budget / _GIB:,.2f} GiB.",
+            memory.total,
+            budget,
+            memory.seconds,
+        )
+    # The whole model's plan (its sizes and prediction), with the compiled knobs.
+    whole = plan(seq_len, num_devices, num_layers=layers, device=device,
+                 max_memory_usage=unbounded, **problem)  # fmt: skip
+    return dataclasses.replace(
+        whole,
+        max_memory_usage=budget,
+        block_q=few[1].block_q,
+        block_kv=few[1].block_kv,
+        remat=few[1].remat,
+        target=target,
+        compiled=memory,
+    )
+
+
+def _say(log, seq_len: int, total: int | None, budget: int, ok: bool, seconds: float, n: int):
+    if log is None:
+        return
+    used = "refused by the compiler" if total is None else f"{total / _GIB:,.2f} GiB"
+    verdict = "fits" if ok else "does not fit"
+    log(
+        f"[{n}] seq_len {seq_len:>12,}: {used} of {budget / _GIB:,.2f} GiB per chip, "
+        f"{verdict} (compiled in {seconds:.1f} s)"
+    )
+
+
