@@ -20,6 +20,11 @@ def check_plans(target: str, devices: int) -> None:
     assert p.target == target and p.kernel() == "auto"
     assert 0 < p.compiled.total <= p.max_memory_usage
     assert rx.measure_memory(p)["total"] == p.compiled.total
+    # The overlap condition at the chip's published figures, and the schedule's answer.
+    o = p.overlap
+    cost = rx.RingCost(8192, devices, 8, 2, 128, kv_bytes=2)
+    assert o.shard == 8192 // devices and o.min_shard == cost.min_shard(rx.HARDWARE[p.device])
+    assert o.permutes > 0 and o.scheduled, o
     lm = rx.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
     assert lm.kind == "lm" and lm.remat == "none"
     assert 0 < lm.compiled.total <= 1024 * _MIB

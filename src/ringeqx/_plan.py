@@ -71,6 +71,31 @@ class CompiledMemory(NamedTuple):
         return self.arguments + self.outputs + self.temp
 
 
+class PlanOverlap(NamedTuple):
+    """Whether the ring's transfers hide behind its compute, for a compiled plan: the
+    Ring Attention paper's condition with the chip's published FLOP rate and link
+    bandwidth ([`ringeqx.RingCost`][]), and the compiled program's schedule
+    ([`ringeqx.ring_overlap`][]).
+
+    **Fields:** `shard` (tokens a device holds on the ring); `min_shard`,
+    `min_shard_backward` (the shortest shard whose forward, or backward, step computes
+    for longer than it sends: the condition holds when `shard` reaches them);
+    `scheduled` (every collective-permute of the ring's loops encloses a kernel in the
+    compiled schedule); `permutes` (how many the schedule has).
+    """
+
+    shard: int
+    min_shard: int
+    min_shard_backward: int
+    scheduled: bool
+    permutes: int
+
+    @property
+    def hides(self) -> bool:
+        """The condition, forward and backward."""
+        return self.shard >= max(self.min_shard, self.min_shard_backward)
+
+
 def _tiles(device: str) -> tuple[int, ...]:
     """Square tiles to try, preferred first: 256 on the CPU (as fast as 512 there, see
     docs/design.md), 512 on accelerators; smaller ones only save memory."""
@@ -120,6 +145,8 @@ class Plan(eqx.Module):
         None for a plan from the model alone.
     - `compiled`: with a `target`, the compiler's bytes per chip for the planned
         program (`arguments`, `outputs`, `temp`, `total`) and the compile's seconds.
+    - `overlap`: with a `target`, the overlap condition and the compiled schedule's
+        answer to it ([`ringeqx.PlanOverlap`][]).
     """
 
     kind: Literal["attention", "lm"] = eqx.field(static=True)
@@ -145,6 +172,7 @@ class Plan(eqx.Module):
     memory: MemoryBreakdown
     target: str | None = eqx.field(static=True, default=None)
     compiled: CompiledMemory | None = eqx.field(static=True, default=None)
+    overlap: PlanOverlap | None = eqx.field(static=True, default=None)
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -208,6 +236,8 @@ class Plan(eqx.Module):
             out["target"] = self.target
         if self.compiled is not None:
             out["compiled"] = self.compiled._asdict() | {"total": self.compiled.total}
+        if self.overlap is not None:
+            out["overlap"] = self.overlap._asdict() | {"hides": self.overlap.hides}
         return out
 
     def table(self) -> str:
@@ -215,6 +245,7 @@ class Plan(eqx.Module):
         d = self.to_dict()
         memory = d.pop("memory")
         compiled = d.pop("compiled", None)
+        overlap = d.pop("overlap", None)
         d["max_memory_usage"] = f"{self.max_memory_usage / _MIB:,.1f} MiB"
         rows = [(k, str(v)) for k, v in d.items() if v is not None]
         rows += [(f"memory: {k}", f"{v / _MIB:,.1f} MiB") for k, v in memory.items()]
@@ -222,6 +253,8 @@ class Plan(eqx.Module):
             seconds = compiled.pop("seconds")
             rows += [(f"compiled: {k}", f"{v / _MIB:,.1f} MiB") for k, v in compiled.items()]
             rows += [("compiled in", f"{seconds:.1f} s")]
+        if overlap is not None:
+            rows += [(f"overlap: {k}", str(v)) for k, v in overlap.items()]
         lines = ["| setting | value |", "|---|---|"]
         return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows])
 
@@ -281,6 +314,7 @@ def make_plan(
     tiles: tuple[int, int] | None = None,
     target: str | None = None,
     compiled: CompiledMemory | None = None,
+    overlap: PlanOverlap | None = None,
 ) -> Plan:
     """The plan of `cfg` with these knobs (`tiles`: the kernel's, when not `block`'s)."""
     block_q, block_kv = (block, block) if tiles is None else tiles
@@ -293,6 +327,7 @@ def make_plan(
         memory=memory,
         target=target,
         compiled=compiled,
+        overlap=overlap,
     )
 
 

@@ -14,14 +14,17 @@ from . import nn
 from ._call import ring_attention
 from ._kernels._pallas_gpu import PallasGpuKernel
 from ._kernels._pallas_tpu import PallasTpuKernel
+from ._overlap import ring_overlap
 from ._plan import (
     CompiledMemory,
     Plan,
+    PlanOverlap,
     Problem,
     Remat,
     make_plan,
     predict,
 )
+from ._report import HARDWARE, RingCost
 from ._targets import target_mesh
 
 
@@ -195,6 +198,23 @@ def _kernel_tiles(cfg: Problem) -> tuple[int, int]:
     return PallasGpuKernel().launch("forward", cfg.dtype, cfg.head_dim)[:2]
 
 
+def _overlap(cfg: Problem, program: jax.stages.Compiled) -> PlanOverlap:
+    """The overlap condition at the chip's published figures, and the schedule's answer."""
+    cost = RingCost(
+        cfg.seq_len, cfg.num_devices, cfg.heads, cfg.kv_heads, cfg.head_dim,
+        kv_bytes=jnp.dtype(cfg.dtype).itemsize,
+    )  # fmt: skip
+    chip = HARDWARE[cfg.device]
+    report = ring_overlap(program)
+    return PlanOverlap(
+        shard=cost.shard,
+        min_shard=cost.min_shard(chip),
+        min_shard_backward=cost.min_shard(chip, backward=True),
+        scheduled=report.all_overlap,
+        permutes=len(report.permutes),
+    )
+
+
 def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Plan:
     """The first of `remats` whose program, compiled for `target`, fits the budget
     (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
@@ -206,7 +226,7 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
         plan = make_plan(cfg, tiles[0], remat, memory, tiles=tiles, target=target)
         start = time.perf_counter()
         try:
-            compiled, _ = compile_plan(plan)
+            compiled, program = compile_plan(plan)
         except jax.errors.JaxRuntimeError as e:
             # A program larger than the chip: the compiler refuses it (RESOURCE_EXHAUSTED).
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -217,7 +237,8 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
             continue
         seconds += compiled.seconds
         plan = make_plan(
-            cfg, tiles[0], remat, memory, tiles=tiles, target=target, compiled=compiled
+            cfg, tiles[0], remat, memory, tiles=tiles, target=target, compiled=compiled,
+            overlap=_overlap(cfg, program),
         )
         if compiled.total <= cfg.max_memory_usage:
             return plan

@@ -300,6 +300,7 @@ def _extrapolated(
         remat=few[1].remat,
         target=target,
         compiled=memory,
+        overlap=few[1].overlap,
     )
 
 
