@@ -232,7 +232,8 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             seconds += time.perf_counter() - start
-            tried.append(f"remat={remat!r}: more than the chip (the compiler refused it)")
+            said = str(e).strip().splitlines()[0][:200]
+            tried.append(f"remat={remat!r}: refused by the compiler ({said})")
             total = None
             continue
         seconds += compiled.seconds
