@@ -61,9 +61,7 @@ def search(target: str, model: str) -> dict:
     if model == "attention":
         kw["dtype"] = jnp.bfloat16
     start = time.perf_counter()
-    found = rx.longest_context(
-        target, **kw, extrapolate_layers=True, log=lambda s: print(f"  {s}", flush=True)
-    )
+    found = rx.longest_context(target, **kw, log=lambda s: print(f"  {s}", flush=True))
     p = found.plan
     return {
         "target": target,
@@ -74,7 +72,6 @@ def search(target: str, model: str) -> dict:
         "budget_gib": p.max_memory_usage / 2**30,
         "remat": p.remat,
         "probes": len(found.probes),
-        "layers_compiled": found.layers_compiled,
         "wall_seconds": time.perf_counter() - start,
         "jax": jax.__version__,
     }
@@ -98,17 +95,11 @@ def render(rows: list[dict]) -> str:
         return list(MODELS).index(r["model"]), order.get(r["target"], 99)
 
     for r in sorted(rows, key=key):
-        model = r["model"] + ("*" if r.get("layers_compiled") else "")
+        model = r["model"]
         lines.append(
             f"| {r['target']} | {r['chips']} | {model} | {_tokens(r['seq_len'])} "
             f"({r['seq_len']:,}) | {r['gib_per_chip']:.1f} ({r['budget_gib']:.0f}) | "
             f"{r['remat']} | {r['probes']} | {r['wall_seconds'] / 60:.1f} min |"
-        )
-    if any(r.get("layers_compiled") for r in rows):
-        lines.append("")
-        lines.append(
-            "\\* Each probe compiled the step with 1 and 2 layers and took the bytes per chip "
-            "as linear in the layers (`longest_context(..., extrapolate_layers=True)`)."
         )
     return "\n".join(lines)
 

@@ -1,7 +1,6 @@
 """`ringeqx.plan` and `ringeqx.longest_context`: the plan of a problem from the memory
 model, or from a target cluster's own compiler, and the longest context that fits."""
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -11,9 +10,8 @@ from jax.typing import DTypeLike
 
 from ._masks import AbstractMask
 from ._numbers import check_size
-from ._plan import CompiledMemory, Plan, Remat, analytic_plan, problem, target_chips
+from ._plan import Plan, Remat, analytic_plan, problem, target_chips
 from ._plan_check import NoFit, compiled_search
-from ._report import HARDWARE
 
 
 _GIB = 2**30
@@ -124,14 +122,11 @@ class ContextSearch(NamedTuple):
     - `probes`: every length compiled, in order, as `(seq_len, total bytes per chip or
         None where the compiler refused it, fits)`.
     - `seconds`: the search's wall time.
-    - `layers_compiled`: None where every probe compiled the whole program, else the
-        LM's probes compiled 1 and 2 layers and extrapolated (`plan.compiled` too).
     """
 
     plan: Plan
     probes: tuple[tuple[int, int | None, bool], ...]
     seconds: float
-    layers_compiled: int | None = None
 
 
 def longest_context(
@@ -151,7 +146,6 @@ def longest_context(
     max_memory_usage: int | None = None,
     remat: Remat | None = None,
     start: int | None = None,
-    extrapolate_layers: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> ContextSearch:
     """The longest sequence that ring attention, or a `RingTransformerLM` training step,
@@ -167,12 +161,6 @@ def longest_context(
     **Arguments:** as [`ringeqx.plan`][], with `target` required and the ring its chips
     over `batch_devices`; `remat` defaults to `"block"` for an LM (the least memory, so
     the longest context). `start`: the first length tried (default 16 units).
-    `extrapolate_layers`: for an LM, compile each probe with 1 and 2 layers and take
-    the bytes per chip as linear in the layer count (its blocks are identical, so each
-    adds the same parameters, state and saved activations: on a v5p slice with
-    Llama-3-8B's shapes, 1, 2 and 4 layers agree with a line to 0.1%). Seconds a probe
-    instead of minutes for 32 or 80 unrolled layers; an estimate from the compiler,
-    not its answer.
 
     **Returns:** a [`ringeqx.ContextSearch`][].
 
@@ -186,8 +174,7 @@ def longest_context(
             f"{batch_devices}."
         )
     num_devices = chips // batch_devices
-    is_lm = dim is not None
-    remat = ("block" if is_lm else None) if remat is None else remat
+    remat = ("block" if dim is not None else None) if remat is None else remat
     unit = 2 * num_devices * 1024
     probes: list[tuple[int, int | None, bool]] = []
     found: dict[int, Plan] = {}
@@ -198,16 +185,10 @@ def longest_context(
         batch_devices=batch_devices, dtype=dtype, mask=mask, dim=dim, vocab_size=vocab_size,
         hidden=hidden, remat=remat,
     )  # fmt: skip
-    extrapolate = extrapolate_layers and is_lm and num_layers > 2
-
     def fits(seq_len: int) -> bool:
         try:
-            if extrapolate:
-                p = _extrapolated(seq_len, num_devices, num_layers, target, max_memory_usage,
-                                  problem)
-            else:
-                p = plan(seq_len, num_devices, num_layers=num_layers, target=target,
-                         max_memory_usage=max_memory_usage, **problem)
+            p = plan(seq_len, num_devices, num_layers=num_layers, target=target,
+                     max_memory_usage=max_memory_usage, **problem)
         except NoFit as e:
             probes.append((seq_len, e.total, False))
             _say(log, seq_len, e.total, e.budget, False, e.seconds, len(probes))
@@ -221,7 +202,7 @@ def longest_context(
     start = unit * 16 if start is None else check_size("start", start)
     lo = _longest(fits, unit, max(unit, -(-start // unit) * unit), target)
     seconds = time.perf_counter() - begin
-    return ContextSearch(found[lo], tuple(probes), seconds, 2 if extrapolate else None)
+    return ContextSearch(found[lo], tuple(probes), seconds)
 
 
 def _longest(fits: Callable[[int], bool], unit: int, seq: int, target: str) -> int:
@@ -253,55 +234,6 @@ def _longest(fits: Callable[[int], bool], unit: int, seq: int, target: str) -> i
         else:
             hi = mid
     return lo
-
-
-def _extrapolated(
-    seq_len: int, num_devices: int, layers: int, target: str, budget: int | None, problem
-) -> Plan:
-    """The plan of a `layers`-layer LM on `target`, its compiled bytes per chip
-    extrapolated from compiles of 1 and 2 layers (see `longest_context`); NoFit when
-    they exceed the budget."""
-    unbounded = 2**62
-    few = [
-        plan(seq_len, num_devices, num_layers=n, target=target, max_memory_usage=unbounded,
-             **problem)
-        for n in (1, 2)
-    ]  # fmt: skip
-    one, two = (p.compiled for p in few)
-
-    def line(a: int, b: int) -> int:
-        return a + (b - a) * (layers - 1)
-
-    memory = CompiledMemory(
-        line(one.arguments, two.arguments),
-        line(one.outputs, two.outputs),
-        line(one.temp, two.temp),
-        one.seconds + two.seconds,
-    )
-    device = few[1].device
-    budget = HARDWARE[device].memory if budget is None else budget
-    if memory.total > budget:
-        raise NoFit(
-            f"seq_len={seq_len} needs {memory.total / _GIB:,.2f} GiB per chip of {target} "
-            f"(extrapolated from 1 and 2 layers to {layers}); the budget is "
-            f"{budget / _GIB:,.2f} GiB.",
-            memory.total,
-            budget,
-            memory.seconds,
-        )
-    # The whole model's plan (its sizes and prediction), with the compiled knobs.
-    whole = plan(seq_len, num_devices, num_layers=layers, device=device,
-                 max_memory_usage=unbounded, **problem)  # fmt: skip
-    return dataclasses.replace(
-        whole,
-        max_memory_usage=budget,
-        block_q=few[1].block_q,
-        block_kv=few[1].block_kv,
-        remat=few[1].remat,
-        target=target,
-        compiled=memory,
-        overlap=few[1].overlap,
-    )
 
 
 def _say(log, seq_len: int, total: int | None, budget: int, ok: bool, seconds: float, n: int):
