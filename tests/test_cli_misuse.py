@@ -35,7 +35,7 @@ INTERNAL = re.compile(
 
 MISUSE = [
     # Each flag's own values.
-    (["demo", "--seq-len", "abc"], r"--seq-len: must be an integer >= 1; got 'abc'"),
+    (["demo", "--seq-len", "abc"], r"--seq-len: must be an integer >= 1, optionally with K.*'abc'"),
     (["bench", "--heads", "0"], r"--heads: must be an integer >= 1; got '0'"),
     (["bench", "--reps", "2.5"], r"--reps: must be an integer >= 1; got '2.5'"),
     (["demo", "--seed", "-1"], r"--seed: must be an integer in 0 \.\. 4294967295; got '-1'"),
