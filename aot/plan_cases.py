@@ -24,7 +24,10 @@ def check_plans(target: str, devices: int) -> None:
     o = p.overlap
     cost = rx.RingCost(8192, devices, 8, 2, 128, kv_bytes=2)
     assert o.shard == 8192 // devices and o.min_shard == cost.min_shard(rx.HARDWARE[p.device])
-    assert o.permutes > 0 and o.scheduled, o
+    if devices > 2:  # 2 devices: their one hop is not in a loop, which ring_overlap reads
+        assert o.permutes > 0 and o.scheduled, o
+    else:
+        assert o.permutes == 0 and not o.scheduled, o
     lm = rx.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
     assert lm.kind == "lm" and lm.remat == "none"
     assert 0 < lm.compiled.total <= 1024 * _MIB

@@ -81,7 +81,8 @@ class PlanOverlap(NamedTuple):
     `min_shard_backward` (the shortest shard whose forward, or backward, step computes
     for longer than it sends: the condition holds when `shard` reaches them);
     `scheduled` (every collective-permute of the ring's loops encloses a kernel in the
-    compiled schedule); `permutes` (how many the schedule has).
+    compiled schedule); `permutes` (how many the loops have: a ring of 2 devices has no
+    loop, XLA unrolls its one hop, so 0 and `scheduled` False).
     """
 
     shard: int
