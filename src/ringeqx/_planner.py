@@ -179,12 +179,12 @@ def longest_context(
     probes: list[tuple[int, int | None, bool]] = []
     found: dict[int, Plan] = {}
     begin = time.perf_counter()
-
     problem = dict(
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch,
         batch_devices=batch_devices, dtype=dtype, mask=mask, dim=dim, vocab_size=vocab_size,
         hidden=hidden, remat=remat,
     )  # fmt: skip
+
     def fits(seq_len: int) -> bool:
         try:
             p = plan(seq_len, num_devices, num_layers=num_layers, target=target,
