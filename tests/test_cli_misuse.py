@@ -158,11 +158,14 @@ def test_plan_that_does_not_fit_speaks_in_flags(capsys):
 
 
 def _unwritable(tmp_path: Path) -> str:
-    """A folder no file can be written to (root writes anywhere but in /proc)."""
+    """A folder no file can be written to: root writes anywhere but in /proc (Linux) or
+    below a file (a folder there cannot be made)."""
     if os.geteuid() == 0:
-        if sys.platform != "linux":
-            pytest.skip("no folder root cannot write to")
-        return "/proc/ringeqx-no-such-folder"
+        if sys.platform == "linux":
+            return "/proc/ringeqx-no-such-folder"
+        below_a_file = tmp_path / "plain-file"
+        below_a_file.write_text("")
+        return str(below_a_file / "folder")
     folder = tmp_path / "read-only"
     folder.mkdir()
     folder.chmod(0o500)
