@@ -28,12 +28,24 @@ def check_plans(target: str, devices: int) -> None:
         assert o.permutes > 0 and o.scheduled, o
     else:
         assert o.permutes == 0 and not o.scheduled, o
+    # The instant answer (the model fitted to this family's compiler) against the
+    # compiler's, on a shard inside the model's calibrated domain (8K tokens a chip and
+    # more): within 15%.
+    long = rx.plan(65536 * devices, devices, target=target, **ATTENTION)
+    assert abs(long.memory.total / long.compiled.total - 1) <= 0.15, (long.memory, long.compiled)
     lm = rx.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
     assert lm.kind == "lm" and lm.remat == "none"
     assert 0 < lm.compiled.total <= 1024 * _MIB
     with pytest.raises(ValueError, match=rf"Nothing fits in max_memory_usage=0.00 GiB per chip "
                        rf"of {target}: seq_len=8192 compiles to remat='none': "):
         rx.plan(8192, devices, target=target, max_memory_usage=_MIB, **ATTENTION)
+    # An LM whose parameters and Adam state alone exceed the budget: refused at once,
+    # with nothing compiled, and so is every context of it.
+    with pytest.raises(rx.NoFit, match="the parameters and Adam state alone take") as e:
+        rx.plan(4096, devices, target=target, max_memory_usage=2**16, **LM)
+    assert e.value.before_compile and e.value.seconds == 0.0 and e.value.total > 2**16
+    with pytest.raises(rx.NoFit, match="the parameters and Adam state alone take"):
+        rx.longest_context(target, max_memory_usage=2**16, log=None, **LM)
 
 
 def check_longest_context(target: str) -> None:

@@ -196,3 +196,39 @@ def test_save_model_keeps_the_configuration(tmp_path):
     (tmp_path / "junk").write_bytes(b"junk")
     with pytest.raises(ValueError, match="is not a model saved by ringeqx.nn.save_model"):
         rx.nn.load_model(tmp_path / "junk")
+
+
+def test_scanned_layers_are_the_unrolled_model():
+    # `scan_layers=True` stacks the same weights (the same keys) and scans them: the
+    # loss, every gradient (stacked) and prefill + decode equal the unrolled model's,
+    # under remat too; `layers` gives the stacked block's slices one by one.
+    m = mesh(4)
+    options = rx.nn.AttentionOptions(kernel=rx.XlaKernel(8, 8))
+    kw = dict(attention=options, key=jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (32,), 0, 16)
+
+    @eqx.filter_jit
+    def loss_and_grads(model):
+        return eqx.filter_value_and_grad(lambda model: model.loss(tokens, tokens, mesh=m))(model)
+
+    for remat in ("none", "block"):
+        unrolled = rx.nn.RingTransformerLM(16, 8, 2, 3, checkpoint=remat, **kw)
+        scanned = rx.nn.RingTransformerLM(16, 8, 2, 3, checkpoint=remat, scan_layers=True, **kw)
+        assert isinstance(scanned.blocks, rx.nn.TransformerBlock) and len(scanned.layers) == 3
+        assert eqx.tree_equal(scanned.layers, unrolled.blocks)
+        (a, da), (b, db) = loss_and_grads(unrolled), loss_and_grads(scanned)
+        assert_close(b, a, rtol=1e-6, atol=1e-6)
+        stacked = jax.tree.map(lambda *x: jnp.stack(x), *eqx.filter(da.blocks, eqx.is_array))
+        leaves = jax.tree.leaves(eqx.filter(db.blocks, eqx.is_array))
+        assert len(leaves) == len(jax.tree.leaves(stacked)) > 0
+        for x, y in zip(jax.tree.leaves(stacked), leaves):
+            assert_close(y, x, rtol=1e-5, atol=1e-6)
+    logits, cache = scanned.prefill(tokens[:16], max_new_tokens=4, mesh=m)
+    expected, expected_cache = unrolled.prefill(tokens[:16], max_new_tokens=4, mesh=m)
+    assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    logits, _ = scanned.decode(tokens[16], cache, mesh=m)
+    expected, _ = unrolled.decode(tokens[16], expected_cache, mesh=m)
+    assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    # A bool only: beartype (in the tests) or the model itself rejects anything else.
+    with pytest.raises((ValueError, TypeError), match="scan_layers"):
+        rx.nn.RingTransformerLM(16, 8, 2, 3, scan_layers="yes", **kw)

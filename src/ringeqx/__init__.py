@@ -37,7 +37,7 @@ from ._masks import (
 )
 from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
 from ._plan import CompiledMemory as CompiledMemory, Plan as Plan, PlanOverlap as PlanOverlap
-from ._plan_check import measure_memory as measure_memory
+from ._plan_check import NoFit as NoFit, measure_memory as measure_memory
 from ._plan_model import MemoryBreakdown as MemoryBreakdown
 from ._planner import (
     ContextSearch as ContextSearch,

@@ -546,6 +546,7 @@ _PLAN_FLAGS = (
     (r"\bnum_devices=", "--devices "),
     (r"`batch_devices \* num_devices`", "--devices"),
     (r"`remat`", "--remat"),
+    (r"`scan_layers=True`", "--scan-layers"),
 )
 
 
@@ -571,8 +572,9 @@ def plan(args: argparse.Namespace) -> int:
     lm = {}
     if args.dim is not None:
         lm = dict(
-            dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size, hidden=args.hidden
-        )
+            dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size, hidden=args.hidden,
+            scan_layers=args.scan_layers,
+        )  # fmt: skip
     budget = None if args.max_memory_mib is None else int(args.max_memory_mib * 2**20)
     problem = dict(
         heads=args.heads,
@@ -865,6 +867,11 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
         "--remat", choices=("none", "attention", "block"), default=None, help="fix the remat"
     )
     plan_parser.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="the LM's layers stacked and scanned (RingTransformerLM(scan_layers=True))",
+    )
+    plan_parser.add_argument(
         "--target",
         type=_target,
         default=None,
@@ -984,6 +991,8 @@ def _misuse(args: argparse.Namespace) -> str | None:
                     "argument --profile: --profile cpu needs --max-memory-mib (the CPU "
                     "profile has no memory size)"
                 )
+            if args.scan_layers and args.dim is None:
+                return "argument --scan-layers: needs --dim (an LM plan; attention has no layers)"
             if args.dim is not None and args.dim % args.heads:
                 return (
                     f"argument --dim: must be a multiple of --heads ({args.heads}), the "

@@ -100,7 +100,7 @@ def _check_masks(model, layout: Layout, segment_ids, span_ids, steps: int) -> No
     """Masks `generate` can serve: the ids they read were given (the layout would hold
     placeholders), and, where the prompt's records are known, no prompt token may see a
     generated one (which a KV cache cannot serve; else the decode steps check it)."""
-    masks = layer_masks(model.blocks)
+    masks = layer_masks(model.layers)
     for name, mask in masks:
         reads = mask.reads()
         for ids, field, given in (
@@ -171,7 +171,7 @@ def _arguments(
     if top_k is not None and not (is_int(top_k) and top_k >= 1):
         raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
     _check_sampling(key, temperature)
-    axis = model.blocks[0].attention.axis_name
+    axis = model.layers[0].attention.axis_name
     mesh = inference_mesh(mesh, axis)
     prompt = jnp.asarray(prompt)
     layout = _prompt_layout(prompt, strategy, segment_ids, span_ids, mesh.shape[axis])

@@ -9,6 +9,7 @@ cache) asks here, so the batch axis's name and the rules for Explicit axes live 
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
@@ -64,6 +65,26 @@ def constrain(x, mesh, spec: PartitionSpec):
         return x
     explicit = PartitionSpec(*(explicit_only(a) for a in spec))
     return jax.sharding.reshard(x, NamedSharding(mesh, explicit))
+
+
+def keep_on_ring(x, mesh, axis_name: str):
+    """`x` `[seq, ...]` (in layout order) held sharded over the ring axis `axis_name`,
+    where that axis is Auto: a hint to the compiler between layers.
+
+    Without it, XLA's sharding propagation may gather the whole sequence to meet weights
+    sharded over the same devices (fully sharded data parallel) rather than gather the
+    weights, and a device then holds O(N) activations instead of O(N / P): measured for a
+    2-layer LM step at 4096 tokens a chip (libtpu), 0.55 GiB of temp on 8 v5p chips and
+    1.5 GiB on 64, with `f32[262144, 512]` buffers (the whole sequence) on every chip.
+    Explicit axes carry the sharding in the arrays' types and need no hint."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis_name not in mesh.axis_names:
+        return x
+    if dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] != AxisType.Auto:
+        return x
+    spec = PartitionSpec(axis_name, *([None] * (jnp.ndim(x) - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def place(tree, mesh, spec: PartitionSpec):

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from ._kernels._pallas_gpu import PallasGpuKernel
+from ._kernels._pallas_tpu import PallasTpuKernel
 from ._kernels._xla import XlaKernel
 from ._masks import AbstractMask, Causal, Full
 from ._numbers import as_int, check_size, is_int
@@ -17,6 +19,7 @@ from ._plan_model import (
     LMShapes,
     MemoryBreakdown,
     Shapes,
+    family,
     headroom,
     predict_attention,
     predict_lm,
@@ -51,6 +54,7 @@ class Problem(NamedTuple):
     dim: int | None
     num_layers: int | None
     hidden: int | None
+    scan_layers: bool
     mask: AbstractMask
     device: str
     max_memory_usage: int
@@ -97,10 +101,22 @@ class PlanOverlap(NamedTuple):
         return self.shard >= max(self.min_shard, self.min_shard_backward)
 
 
-def _tiles(device: str) -> tuple[int, ...]:
+def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
+    """The forward tiles of the Pallas kernel an accelerator's mesh picks (its defaults
+    on a TPU, its tuned table on a GPU, for the problem's dtype and head_dim)."""
+    if cfg.device.startswith("tpu"):
+        kernel = PallasTpuKernel()
+        return kernel.block_q, kernel.block_kv
+    return PallasGpuKernel().launch("forward", cfg.dtype, cfg.head_dim)[:2]
+
+
+def _tiles(cfg: "Problem") -> tuple[int, ...]:
     """Square tiles to try, preferred first: 256 on the CPU (as fast as 512 there, see
-    docs/design.md), 512 on accelerators; smaller ones only save memory."""
-    return (256, 128, 64) if device == "cpu" else (512, 256, 128, 64)
+    docs/design.md), smaller ones only save memory. On an accelerator the Pallas kernel's
+    own tiles: they live in on-chip memory, so smaller ones would save no HBM."""
+    if family(cfg.device) == "cpu":
+        return (256, 128, 64)
+    return (kernel_tiles(cfg)[0],)
 
 
 def suggest_strategy(mask: AbstractMask, block: int) -> AbstractShardingStrategy:
@@ -134,6 +150,8 @@ class Plan(eqx.Module):
         axis), `heads`, `kv_heads`, `head_dim`, `dtype` (of q/k/v; LMs run in float32):
         the problem.
     - `vocab_size`, `dim`, `num_layers`, `hidden`: the LM's sizes (None for attention).
+    - `scan_layers`: the LM's layers stacked and scanned
+        ([`ringeqx.nn.RingTransformerLM`][]'s `scan_layers`).
     - `mask`: the attention mask.
     - `strategy`: the suggested sharding strategy for the mask.
     - `block_q`, `block_kv`: the kernel's tiles, used by the forward and the backward.
@@ -163,6 +181,7 @@ class Plan(eqx.Module):
     dim: int | None = eqx.field(static=True)
     num_layers: int | None = eqx.field(static=True)
     hidden: int | None = eqx.field(static=True)
+    scan_layers: bool = eqx.field(static=True)
     mask: AbstractMask
     strategy: AbstractShardingStrategy
     block_q: int = eqx.field(static=True)
@@ -188,9 +207,10 @@ class Plan(eqx.Module):
 
     def kernel(self) -> XlaKernel | Literal["auto"]:
         """The kernel the prediction is calibrated for, with the planned tiles; for a
-        plan compiled for a `target`, `"auto"`: the Pallas kernel of the mesh's
-        platform, with its own tiles (which live in on-chip memory, not in HBM)."""
-        if self.target is not None:
+        plan for a TPU or GPU (a `target`, or an accelerator's `device` profile),
+        `"auto"`: the Pallas kernel of the mesh's platform, with its own tiles (which
+        live in on-chip memory, not in HBM)."""
+        if self.target is not None or family(self.device) != "cpu":
             return "auto"
         return XlaKernel(self.block_q, self.block_kv)
 
@@ -223,6 +243,7 @@ class Plan(eqx.Module):
             "dim": self.dim,
             "num_layers": self.num_layers,
             "hidden": self.hidden,
+            "scan_layers": self.scan_layers if self.kind == "lm" else None,
             "mask": type(self.mask).__name__,
             "strategy": repr(self.strategy),
             "forward_tiles": list(self.forward_tiles),
@@ -283,6 +304,8 @@ def _shapes(cfg: Problem, block: int, num_devices: int) -> Shapes:
         block_q=block,
         block_kv=block,
         dense=isinstance(cfg.mask, Full),
+        family=family(cfg.device),
+        zigzag=isinstance(strategy, Zigzag),
     )
 
 
@@ -290,7 +313,11 @@ def _problem(cfg: Problem, block: int, remat: Remat, num_devices: int) -> Shapes
     shapes = _shapes(cfg, block, num_devices)
     if cfg.kind == "attention":
         return shapes
-    return LMShapes(shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat)
+    # On an accelerator the parameters and Adam state are sharded over every chip.
+    chips = 1 if shapes.family == "cpu" else cfg.batch_devices * num_devices
+    return LMShapes(
+        shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat, chips, cfg.scan_layers
+    )
 
 
 def predict(cfg: Problem, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:
@@ -341,33 +368,34 @@ def _remats(cfg: Problem, remat: Remat | None) -> tuple[Remat, ...]:
 def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None:
     """The first (remat, tile) that fits, cheapest in compute first: no remat with
     smaller tiles before remat."""
-    blocks = _tiles(cfg.device) if block is None else (block,)
+    blocks = _tiles(cfg) if block is None else (block,)
+    tiles = None if family(cfg.device) == "cpu" or block is not None else kernel_tiles(cfg)
     for r in _remats(cfg, remat):
         for b in blocks:
             memory = predict(cfg, b, r, cfg.num_devices)
             if _fits(cfg, memory):
-                return make_plan(cfg, b, r, memory)
+                return make_plan(cfg, b, r, memory, tiles=tiles)
     return None
 
 
 def _fits(cfg: Problem, memory: MemoryBreakdown) -> bool:
     """Whether the prediction, with the model's headroom, is within the budget."""
-    return memory.total * (1 + headroom(cfg.kind)) <= cfg.max_memory_usage
+    return memory.total * (1 + headroom(cfg.kind, cfg.device)) <= cfg.max_memory_usage
 
 
 def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str:
     """What would fit: more devices on the ring, or a larger budget."""
     r = _remats(cfg, remat)[-1]
-    b = _tiles(cfg.device)[-1] if block is None else block
+    b = _tiles(cfg)[-1] if block is None else block
     p, budget = cfg.num_devices, cfg.max_memory_usage
     least = predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
-    need = least.total * (1 + headroom(cfg.kind))
+    need = least.total * (1 + headroom(cfg.kind, cfg.device))
     head = (
         f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
         f"seq_len={cfg.seq_len} on num_devices={p} needs at least "
         f"{need / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b}, with the model's "
-        f"{headroom(cfg.kind):.0%} headroom)"
+        f"{headroom(cfg.kind, cfg.device):.0%} headroom)"
     )
     if fixed >= budget:
         return (
@@ -515,6 +543,7 @@ def problem(
     num_layers: int | None = None,
     vocab_size: int | None = None,
     hidden: int | None = None,
+    scan_layers: bool = False,
     device: str = "cpu",
     max_memory_usage: int | None = None,
     remat: Remat | None = None,
@@ -533,9 +562,16 @@ def problem(
     lm = _lm_sizes(sizes["heads"], dim, num_layers, vocab_size, hidden, head_dim)
     if target is not None:
         device = target_profile(target, device, sizes["batch_devices"] * sizes["num_devices"])
+    if scan_layers not in (False, True):
+        raise ValueError(f"`scan_layers` must be a bool; got {scan_layers!r}.")
+    if scan_layers and lm["kind"] == "attention":
+        raise ValueError(
+            "`scan_layers=True` needs an LM plan (`dim`, ...): attention alone has no layers."
+        )
     cfg = Problem(
         **sizes,
         **lm,
+        scan_layers=bool(scan_layers),
         dtype=_float_name(jnp.float32 if lm["kind"] == "lm" else dtype),
         mask=Causal() if mask is None else mask,
         device=device,

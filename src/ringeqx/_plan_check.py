@@ -12,8 +12,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import nn
 from ._call import ring_attention
-from ._kernels._pallas_gpu import PallasGpuKernel
-from ._kernels._pallas_tpu import PallasTpuKernel
 from ._overlap import ring_overlap
 from ._plan import (
     CompiledMemory,
@@ -21,6 +19,7 @@ from ._plan import (
     PlanOverlap,
     Problem,
     Remat,
+    kernel_tiles,
     make_plan,
     predict,
 )
@@ -189,15 +188,6 @@ def compile_plan(plan: Plan) -> tuple[CompiledMemory, jax.stages.Compiled]:
     return memory, compiled
 
 
-def _kernel_tiles(cfg: Problem) -> tuple[int, int]:
-    """The forward tiles of the Pallas kernel a target's mesh picks (its defaults on a
-    TPU, its tuned table on a GPU, for the plan's dtype and head_dim)."""
-    if cfg.device.startswith("tpu"):
-        kernel = PallasTpuKernel()
-        return kernel.block_q, kernel.block_kv
-    return PallasGpuKernel().launch("forward", cfg.dtype, cfg.head_dim)[:2]
-
-
 def _overlap(cfg: Problem, program: jax.stages.Compiled) -> PlanOverlap:
     """The overlap condition at the chip's published figures, and the schedule's answer."""
     cost = RingCost(
@@ -215,12 +205,41 @@ def _overlap(cfg: Problem, program: jax.stages.Compiled) -> PlanOverlap:
     )
 
 
+def state_bytes(plan: Plan) -> int:
+    """Bytes per chip of a target LM step's parameters and Adam's two moments, as the
+    step takes them (fully sharded): exact, read from their shardings, nothing compiled."""
+    _, args = _lm_program(plan, _mesh(plan), _layout(plan))
+    leaves = jax.tree.leaves(args[:3])
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
+
+
+def _check_state(cfg: Problem, plan: Plan) -> None:
+    """A NoFit, before any compile, when the LM's parameters and Adam state alone exceed
+    the budget: no context, remat or tile can fit then."""
+    state = state_bytes(plan)
+    if state > cfg.max_memory_usage:
+        raise NoFit(
+            f"Nothing fits in max_memory_usage={cfg.max_memory_usage / _GIB:,.2f} GiB per "
+            f"chip of {plan.target}: the parameters and Adam state alone take "
+            f"{state / _GIB:,.2f} GiB per chip, fully sharded over its "
+            f"{plan.batch_devices * plan.num_devices} chips (float32), whatever the "
+            "context. Add chips or shrink the model.",
+            state,
+            cfg.max_memory_usage,
+            0.0,
+            before_compile=True,
+        )
+
+
 def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Plan:
     """The first of `remats` whose program, compiled for `target`, fits the budget
     (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
-    does."""
-    tiles = _kernel_tiles(cfg)
+    does (before any compile when an LM's parameters and Adam state alone do not fit)."""
+    tiles = kernel_tiles(cfg)
     tried, total, seconds = [], None, 0.0
+    if cfg.kind == "lm":
+        memory = predict(cfg, tiles[0], remats[0], cfg.num_devices)
+        _check_state(cfg, make_plan(cfg, tiles[0], remats[0], memory, tiles=tiles, target=target))
     for remat in remats:
         memory = predict(cfg, tiles[0], remat, cfg.num_devices)
         plan = make_plan(cfg, tiles[0], remat, memory, tiles=tiles, target=target)
@@ -256,10 +275,26 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
 
 
 class NoFit(ValueError):
-    """Nothing fits the budget on the target: the error of a compiled plan, with the
-    last candidate's bytes per chip (`total`, None where the compiler refused it as
-    larger than the chip), the `budget` and the compiles' `seconds`."""
+    """Nothing fits the budget on the target: what [`ringeqx.plan`][]`(...,
+    target=...)` raises, a `ValueError` whose message lists what each candidate
+    compiled to.
 
-    def __init__(self, message: str, total: int | None, budget: int, seconds: float):
+    **Attributes:** `total` (the last candidate's bytes per chip, None where the
+    compiler refused it as larger than the chip), `budget` (bytes per chip), `seconds`
+    (the compiles' time), `before_compile` (True when refused with nothing compiled: an
+    LM's parameters and Adam state alone exceed the budget, so no context fits; `total`
+    is then their bytes per chip).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        total: int | None,
+        budget: int,
+        seconds: float,
+        *,
+        before_compile: bool = False,
+    ):
         super().__init__(message)
         self.total, self.budget, self.seconds = total, budget, seconds
+        self.before_compile = before_compile

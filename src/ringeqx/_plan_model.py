@@ -5,10 +5,18 @@ The model is structural: every term is the size of arrays the program really hol
 arguments and outputs exactly; among the temporaries the residuals the custom VJP keeps,
 the K/V blocks and dK/dV accumulators in flight, the tiles of scores, the per-layer
 activations a remat policy keeps, the logits, the gradients), and each term's count is a
-constant calibrated against XLA's `memory_analysis()` on CPU (8 fake devices, JAX 0.10.2,
-`benchmarks/plan_grid.py --calibrate`). Separate constants hold where XLA's buffer
-assignment differs in kind: one ring step (no buffers in flight), two (loops of one
-trip, which XLA simplifies) and more; float32 and 16-bit inputs.
+constant calibrated against the compiler's `memory_analysis()`, per family of compiler:
+
+- `"cpu"`: XLA:CPU on 8 fake devices (`benchmarks/plan_grid.py --calibrate`), the program
+  `measure_memory` compiles without a target: `XlaKernel`, parameters replicated.
+  Separate constants hold where XLA's buffer assignment differs in kind: one ring step (no
+  buffers in flight), two (loops of one trip, which XLA simplifies) and more; float32 and
+  16-bit inputs.
+- `"tpu"` (libtpu, v5p slices) and `"gpu"` (the CUDA plugin, H100s): the program
+  `plan(..., target=...)` compiles, the platform's Pallas kernel (its tiles live on chip)
+  and an LM's parameters and Adam state fully sharded over every chip and donated
+  (`benchmarks/plan_target_grid.py`). One regime per input width for attention and one
+  per remat policy for an LM, whose layers these compilers schedule differently.
 """
 
 import math
@@ -73,10 +81,15 @@ ATTENTION_TERMS = {
     "kv32": "attention",
     "q32_tiled": "attention",
     "kv32_tiled": "attention",
+    "q32_zigzag": "attention",
     "const": "attention",
 }
 LM_TERMS = {
     "gradients": "parameters",
+    "embedding": "parameters",
+    "weights": "parameters",
+    "layer_weights": "parameters",
+    "layer": "activations",
     "stream": "activations",
     "mlp": "activations",
     "logits": "activations",
@@ -91,7 +104,8 @@ _MIB = 2**20
 class Shapes(eqx.Module):
     """Per-device sizes of one ring attention call: `batch` examples of `capacity`
     tokens, `num_steps` ring steps, tiles `block_q x block_kv` (shrunk to the shard);
-    `dense` when the mask rules nothing out (`Full`), so no step or tile is conditional."""
+    `dense` when the mask rules nothing out (`Full`), so no step or tile is conditional;
+    `zigzag` when the layout is `Zigzag`'s (two chunks a shard); `family` the compiler's."""
 
     batch: int = eqx.field(static=True)
     capacity: int = eqx.field(static=True)
@@ -103,15 +117,18 @@ class Shapes(eqx.Module):
     block_q: int = eqx.field(static=True)
     block_kv: int = eqx.field(static=True)
     dense: bool = eqx.field(static=True, default=False)
+    family: str = eqx.field(static=True, default="cpu")
+    zigzag: bool = eqx.field(static=True, default=False)
 
-    def elements(self) -> tuple[int, int, int]:
-        """Elements of one q-shaped, one k-shaped and one row-shaped (lse) array."""
+    def elements(self, padded: bool = False) -> tuple[int, int, int]:
+        """Elements of one q-shaped, one k-shaped and one row-shaped (lse) array;
+        `padded`: as a TPU lays out the heads-major copies the kernel works on, with
+        `head_dim` padded to whole 128-lane vregs (a head_dim of 64 takes 128)."""
         tokens = self.batch * self.capacity
-        return (
-            tokens * self.heads * self.head_dim,
-            tokens * self.kv_heads * self.head_dim,
-            tokens * self.heads,
-        )
+        d = self.head_dim
+        if padded and self.family == "tpu":
+            d = -(-d // 128) * 128
+        return tokens * self.heads * d, tokens * self.kv_heads * d, tokens * self.heads
 
 
 def attention_features(s: Shapes) -> dict[str, float]:
@@ -131,6 +148,8 @@ def attention_features(s: Shapes) -> dict[str, float]:
         "kv32": 4.0 * kv,
         "q32_tiled": 4.0 * q * tiled,
         "kv32_tiled": 4.0 * kv * tiled,
+        # Zigzag's two chunks a shard: libtpu keeps more float32 q-sized buffers live.
+        "q32_zigzag": 4.0 * q * s.zigzag,
         "const": float(_MIB),
     }
 
@@ -141,14 +160,25 @@ def attention_io(s: Shapes) -> int:
     return 2 * (2 * q + 2 * kv) * s.itemsize
 
 
+def family(device: str) -> str:
+    """The family of compiler a device profile's programs are calibrated against:
+    `"cpu"`, `"tpu"` (a `tpu-*` profile) or `"gpu"` (the others)."""
+    if device == "cpu":
+        return "cpu"
+    return "tpu" if device.startswith("tpu") else "gpu"
+
+
 def attention_regime(s: Shapes) -> str:
-    """The calibration regime: ring steps (one, two, more) and input width. Two steps
-    under a dense mask are a regime of their own: with no conditional step, XLA's CPU
-    buffer assignment keeps up to three more q-sized float32 buffers live (measured at
-    N = 32K: 364 MiB against 279 MiB for the same program under `Causal`)."""
+    """The calibration regime: ring steps (one, two, more) and input width. On the CPU,
+    two steps under a dense mask are a regime of their own: with no conditional
+    step, XLA's CPU buffer assignment keeps up to three more q-sized float32 buffers live
+    (measured at N = 32K: 364 MiB against 279 MiB for the same program under `Causal`).
+    On accelerators dense and masked two-step rings share a regime (fitted on both)."""
+    width = "f32" if s.itemsize >= 4 else "f16"
     n = s.num_steps
-    ring = "p1" if n == 1 else ("p2d" if s.dense else "p2") if n == 2 else "pn"
-    return f"{ring}-{'f32' if s.itemsize >= 4 else 'f16'}"
+    dense = s.dense and s.family == "cpu"
+    ring = "p1" if n == 1 else ("p2d" if dense else "p2") if n == 2 else "pn"
+    return f"{ring}-{width}"
 
 
 class LMShapes(eqx.Module):
@@ -160,32 +190,44 @@ class LMShapes(eqx.Module):
     num_layers: int = eqx.field(static=True)
     hidden: int = eqx.field(static=True)
     remat: str = eqx.field(static=True)
+    chips: int = eqx.field(static=True, default=1)
+    scan: bool = eqx.field(static=True, default=False)
 
-    def param_count(self) -> int:
+    def block_params(self) -> int:
+        """Parameters of one transformer block."""
         a = self.attention
         qo = 2 * self.dim * a.heads * a.head_dim
         kv = 2 * self.dim * a.kv_heads * a.head_dim
         mlp = 2 * self.dim * self.hidden + self.hidden + self.dim
-        block = qo + kv + mlp + 4 * self.dim  # two RMSNorms, weight and bias each
-        return 2 * self.vocab_size * self.dim + self.num_layers * block + 2 * self.dim
+        return qo + kv + mlp + 4 * self.dim  # two RMSNorms, weight and bias each
+
+    def param_count(self) -> int:
+        blocks = self.num_layers * self.block_params()
+        return 2 * self.vocab_size * self.dim + blocks + 2 * self.dim
 
 
 def _attention_temp(s: Shapes) -> tuple[float, float]:
     """`(temporaries but the buffers in flight, buffers in flight)` the attention model
     predicts for one ring attention call."""
-    parts = _combine(attention_features(s), ATTENTION_TERMS, ATTENTION.get(attention_regime(s), {}))
+    parts = _combine(
+        attention_features(s), ATTENTION_TERMS, _counts(ATTENTION, s.family, attention_regime(s))
+    )
     in_flight = parts["communication"]
     return sum(parts.values()) - in_flight, in_flight
 
 
 def lm_features(s: LMShapes) -> dict[str, float]:
     """The temporaries' terms of one LM training step, in bytes (float32 activations);
-    one layer's attention temporaries come from the attention model."""
+    one layer's attention temporaries come from the attention model. On accelerators the
+    parameters are sharded over `chips`: the gradients are shards, and the step gathers
+    the embedding and head (`embedding`) and each layer's weights (`layer_weights`), and
+    may keep every layer's for the backward (`weights`); `layer` is one layer's
+    activations, what a rematerialised layer recomputes at a time."""
     a = s.attention
     tokens = a.batch * a.capacity
     layer_attention, in_flight = _attention_temp(a)
-    return {
-        "gradients": 4.0 * s.param_count(),
+    out = {
+        "gradients": 4.0 * s.param_count() / s.chips,
         "stream": 4.0 * s.num_layers * tokens * s.dim,
         "mlp": 4.0 * s.num_layers * tokens * s.hidden,
         "logits": 4.0 * tokens * s.vocab_size,
@@ -193,21 +235,40 @@ def lm_features(s: LMShapes) -> dict[str, float]:
         "in_flight": in_flight,
         "const": float(_MIB),
     }
+    if a.family != "cpu":
+        layer = s.block_params()
+        out["embedding"] = 4.0 * 2 * s.vocab_size * s.dim
+        out["weights"] = 4.0 * s.num_layers * layer
+        out["layer_weights"] = 4.0 * layer
+        out["layer"] = 4.0 * tokens * (s.dim + s.hidden)
+    return out
 
 
 def lm_io(s: LMShapes) -> tuple[int, int, int]:
     """`(parameters, optimizer_state, inputs_outputs)` bytes of the step's arguments and
-    outputs: parameters in and out, Adam's moments in and out, tokens, labels, loss."""
-    params = 4 * s.param_count()
+    outputs: parameters in and out, Adam's moments in and out, tokens, labels, loss. On
+    accelerators the parameters and moments are shards of `chips`, and the updated ones
+    are donated (their outputs reuse the arguments' buffers)."""
     tokens = s.attention.batch * s.attention.capacity
+    if s.attention.family != "cpu":
+        params = 4 * -(-s.param_count() // s.chips)
+        return params, 2 * params, 2 * 4 * tokens + 4 + 4
+    params = 4 * s.param_count()
     return 2 * params, 4 * params, 2 * 4 * tokens + 4 + 8
 
 
 def lm_regime(s: LMShapes) -> str:
-    """The calibration regime: one for every remat policy, since XLA's CPU compiler gives
-    the three the same bytes (within 2%, see docs/memory.md); the GPU and TPU compilers
-    would need one each."""
-    return "lm"
+    """The calibration regime: on the CPU one for every remat policy, since XLA's CPU
+    compiler gives the three the same bytes (within 2%, see docs/memory.md), calibrated
+    on unrolled layers; on accelerators one for each policy, unrolled or scanned."""
+    if s.attention.family == "cpu":
+        return "lm"
+    return f"lm-{'scan-' if s.scan else ''}{s.remat}"
+
+
+def _counts(table: dict, family_name: str, regime: str) -> dict[str, float]:
+    """The calibrated counts of a regime (none where it was not calibrated)."""
+    return table.get(family_name, {}).get(regime, {})
 
 
 def _combine(features, terms, coefficients) -> dict[str, float]:
@@ -219,14 +280,16 @@ def _combine(features, terms, coefficients) -> dict[str, float]:
 
 def predict_attention(s: Shapes) -> MemoryBreakdown:
     """Predicted per-device bytes of ring attention's forward and backward."""
-    parts = _combine(attention_features(s), ATTENTION_TERMS, ATTENTION.get(attention_regime(s), {}))
+    parts = _combine(
+        attention_features(s), ATTENTION_TERMS, _counts(ATTENTION, s.family, attention_regime(s))
+    )
     parts["inputs_outputs"] += attention_io(s)
     return MemoryBreakdown(**{k: int(math.ceil(v)) for k, v in parts.items()})
 
 
 def predict_lm(s: LMShapes) -> MemoryBreakdown:
     """Predicted per-device bytes of an LM training step with Adam."""
-    parts = _combine(lm_features(s), LM_TERMS, LM.get(lm_regime(s), {}))
+    parts = _combine(lm_features(s), LM_TERMS, _counts(LM, s.attention.family, lm_regime(s)))
     # The LM's counts are signed: XLA reuses parameter-sized buffers (gradients, Adam's
     # temporaries) for activations once these are large. What is reused is taken off the
     # activations, so that no category is negative.
@@ -240,10 +303,11 @@ def predict_lm(s: LMShapes) -> MemoryBreakdown:
     return MemoryBreakdown(**{k: int(math.ceil(v)) for k, v in parts.items()})
 
 
-def headroom(kind: str) -> float:
+def headroom(kind: str, device: str = "cpu") -> float:
     """How much more than predicted a program of `kind` (`"attention"` or `"lm"`) may
-    compile to: the largest under-prediction seen in calibration, with 2% to spare."""
-    return HEADROOM.get(kind, 0.0)
+    compile to on `device`'s compiler: the largest under-prediction seen in calibrating
+    its family, with 2% to spare."""
+    return HEADROOM.get(family(device), {}).get(kind, 0.0)
 
 
 def terms(shapes: "Shapes | LMShapes") -> tuple[dict[str, float], str, int]:

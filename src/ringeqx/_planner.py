@@ -32,6 +32,7 @@ def plan(
     num_layers: int | None = None,
     vocab_size: int | None = None,
     hidden: int | None = None,
+    scan_layers: bool = False,
     device: str = "cpu",
     max_memory_usage: int | None = None,
     remat: Remat | None = None,
@@ -59,6 +60,9 @@ def plan(
         (`Zigzag` for causal, `WorkBalanced` for packed documents, `Uniform` for windows
         and full attention).
     - `dim`, `num_layers`, `vocab_size`, `hidden` (default `4 * dim`): the LM.
+    - `scan_layers`: plan the LM with its layers stacked and scanned
+        ([`ringeqx.nn.RingTransformerLM`][]`(scan_layers=True)`): on TPUs and GPUs it
+        compiles in the time of one layer and keeps less memory.
     - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
         budget).
     - `max_memory_usage`: bytes per device (default: the device profile's memory).
@@ -102,6 +106,7 @@ def plan(
         num_layers=num_layers,
         vocab_size=vocab_size,
         hidden=hidden,
+        scan_layers=scan_layers,
         device=device,
         max_memory_usage=max_memory_usage,
         remat=remat,
@@ -139,6 +144,7 @@ def longest_context(
     num_layers: int | None = None,
     vocab_size: int | None = None,
     hidden: int | None = None,
+    scan_layers: bool = False,
     batch: int = 1,
     batch_devices: int = 1,
     dtype: DTypeLike = jnp.bfloat16,
@@ -164,7 +170,8 @@ def longest_context(
 
     **Returns:** a [`ringeqx.ContextSearch`][].
 
-    **Raises:** `ValueError` when not even one unit fits.
+    **Raises:** `ValueError` when not even one unit fits (at once, with nothing
+    compiled, when an LM's parameters and Adam state alone exceed the budget).
     """
     chips = target_chips(target)
     batch_devices = check_size("batch_devices", batch_devices)
@@ -182,7 +189,7 @@ def longest_context(
     problem = dict(
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch,
         batch_devices=batch_devices, dtype=dtype, mask=mask, dim=dim, vocab_size=vocab_size,
-        hidden=hidden, remat=remat,
+        hidden=hidden, scan_layers=scan_layers, remat=remat,
     )  # fmt: skip
 
     def fits(seq_len: int) -> bool:
@@ -190,6 +197,8 @@ def longest_context(
             p = plan(seq_len, num_devices, num_layers=num_layers, target=target,
                      max_memory_usage=max_memory_usage, **problem)
         except NoFit as e:
+            if e.before_compile:  # the LM's state alone does not fit: no length can
+                raise
             probes.append((seq_len, e.total, False))
             _say(log, seq_len, e.total, e.budget, False, e.seconds, len(probes))
             return False
