@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
+from ringeqx._plan import target_chips  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,10 +35,18 @@ DOC = ROOT / "docs" / "longest_context.md"
 
 # Llama-3 shapes. Our LM's MLP is GELU with two matrices; Llama's SwiGLU has three of
 # width 14336 (8B) / 28672 (70B): a GELU width of 1.5x that holds the same parameters.
+# The LMs' layers are scanned (`scan_layers=True`: one layer compiled, one layer's
+# working memory in the backward).
 MODELS = {
     "attention": dict(heads=32, kv_heads=8, head_dim=128),
-    "8b": dict(heads=32, kv_heads=8, dim=4096, num_layers=32, vocab_size=128256, hidden=21504),
-    "70b": dict(heads=64, kv_heads=8, dim=8192, num_layers=80, vocab_size=128256, hidden=43008),
+    "8b": dict(
+        heads=32, kv_heads=8, dim=4096, num_layers=32, vocab_size=128256, hidden=21504,
+        scan_layers=True,
+    ),
+    "70b": dict(
+        heads=64, kv_heads=8, dim=8192, num_layers=80, vocab_size=128256, hidden=43008,
+        scan_layers=True,
+    ),
 }
 TARGETS = ("v5p:2x2x2", "v5p:4x4x4", "v5p:4x8x8", "h100:8", "v5e:4x4", "v6e:4x4", "a100:8")
 _START, _END = "<!-- longest-context table: start -->", "<!-- longest-context table: end -->"
@@ -56,12 +65,29 @@ def _available(target: str) -> bool:
     return True
 
 
-def search(target: str, model: str) -> dict:
+def search(target: str, model: str, start_per_chip: int | None = None) -> dict:
     kw = dict(MODELS[model])
+    if start_per_chip is not None:  # the first length tried: tokens a chip, times the chips
+        kw["start"] = start_per_chip * target_chips(target)
     if model == "attention":
         kw["dtype"] = jnp.bfloat16
     start = time.perf_counter()
-    found = rx.longest_context(target, **kw, log=lambda s: print(f"  {s}", flush=True))
+    try:
+        found = rx.longest_context(target, **kw, log=lambda s: print(f"  {s}", flush=True))
+    except rx.NoFit as e:  # the model's state alone exceeds a chip: no context fits
+        assert e.before_compile, e
+        return {
+            "target": target,
+            "model": model,
+            "chips": target_chips(target),
+            "seq_len": 0,
+            "gib_per_chip": e.total / 2**30,
+            "budget_gib": e.budget / 2**30,
+            "remat": "-",
+            "probes": 0,
+            "wall_seconds": time.perf_counter() - start,
+            "jax": jax.__version__,
+        }
     p = found.plan
     return {
         "target": target,
@@ -96,6 +122,14 @@ def render(rows: list[dict]) -> str:
 
     for r in sorted(rows, key=key):
         model = r["model"]
+        if r["seq_len"] == 0:
+            lines.append(
+                f"| {r['target']} | {r['chips']} | {model} | none: parameters and Adam "
+                f"state alone take {r['gib_per_chip']:.1f} GiB per chip | "
+                f"{r['gib_per_chip']:.1f} ({r['budget_gib']:.0f}) | - | 0 | "
+                f"{r['wall_seconds']:.0f} s |"
+            )
+            continue
         lines.append(
             f"| {r['target']} | {r['chips']} | {model} | {_tokens(r['seq_len'])} "
             f"({r['seq_len']:,}) | {r['gib_per_chip']:.1f} ({r['budget_gib']:.0f}) | "
@@ -115,6 +149,10 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--targets", nargs="+", default=list(TARGETS))
     parser.add_argument("--redo", action="store_true", help="search rows already recorded")
+    parser.add_argument(
+        "--start-per-chip", type=int, default=None,
+        help="first length tried, in tokens a chip (default: longest_context's 16 units)",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     done = {(r["target"], r["model"]) for r in rows}
@@ -126,7 +164,7 @@ def main() -> None:
                 print(f"{target}: no {_platform(target)} compiler here; left for its venv")
                 continue
             print(f"{target} {model}:", flush=True)
-            row = search(target, model)
+            row = search(target, model, args.start_per_chip)
             rows = [r for r in rows if (r["target"], r["model"]) != (target, model)] + [row]
             RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
             write_doc(rows)

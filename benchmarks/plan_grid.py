@@ -10,6 +10,9 @@ configuration's compiled bytes and checks that the planned program compiles unde
 
 `--calibrate attention` / `--calibrate lm` instead measure a seeded random sample of
 configurations (`--points`, `--seed`) into `benchmarks/plan_calibration_{kind}.json`, and
+`--remeasure` compiles the saved sample again (after a kernel change) and refits;
+`--tightest` plans an LM under each mask at the smallest budget the planner accepts and
+compiles it (the budget promise);
 `--refit` (which `--calibrate` runs at its end) fits the model's constants on the saved
 measurements (one count per term and regime, by non-negative least squares on relative
 error; the attention model first, then the LM's, whose features include the attention
@@ -33,13 +36,13 @@ os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
 from ringeqx import _plan, _plan_model  # noqa: E402
 
 
 MIB = 2**20
-CONSTANTS = os.path.join(os.path.dirname(__file__), "..", "src", "ringeqx", "_plan_constants.py")
 MASKS = {
     "causal": rx.Causal(),
     "full": rx.Full(),
@@ -134,33 +137,6 @@ def fit(rows: list[dict], signed: bool = False) -> tuple[dict[str, dict[str, flo
     return out, under
 
 
-def write_constants(attention: dict, lm: dict, headroom: dict) -> None:
-    def block(name, table):
-        lines = [f"{name}: dict[str, dict[str, float]] = {{"]
-        for regime, coef in table.items():
-            lines.append(f'    "{regime}": {{')
-            lines += [f'        "{k}": {v!r},' for k, v in coef.items()]
-            lines.append("    },")
-        return lines + ["}"]
-
-    text = [
-        '"""Calibrated counts of each term of the memory model (written by',
-        '`python benchmarks/plan_grid.py --calibrate`; do not edit by hand)."""',
-        "",
-        *block("ATTENTION", attention),
-        *block("LM", lm),
-        "",
-        "# The largest under-prediction seen in calibration, rounded up with 2% to spare:",
-        "# the planner keeps this fraction of the budget free.",
-        "HEADROOM: dict[str, float] = {"
-        + ", ".join(f'"{k}": {v!r}' for k, v in headroom.items())
-        + "}",
-        "",
-    ]
-    with open(CONSTANTS, "w") as f:
-        f.write("\n".join(text))
-
-
 def _headroom(under: float) -> float:
     return round(float(np.ceil(under * 100) / 100 + 0.02), 2)
 
@@ -205,6 +181,49 @@ def calibrate(args) -> int:
     return refit(args)
 
 
+def tightest(args) -> int:
+    """The planner's promise at its tightest: for an LM (2 layers, dim 128) under each
+    mask, at 128 and 1024 tokens on 8 devices, the smallest budget the planner accepts
+    (bisected) and what the planned step compiles to against it."""
+    lm = dict(heads=4, kv_heads=4, dim=128, num_layers=2, vocab_size=512)
+    worst = 0.0
+    for n in (128, 1024):
+        for name in ("causal", "documents", "window"):
+            kw = dict(lm, mask=MASKS[name] if name != "window" else rx.SlidingWindow(64))
+            lo, hi = 1, 2**36
+            while hi - lo > max(1, lo // 1000):
+                mid = (lo + hi) // 2
+                try:
+                    rx.plan(n, 8, max_memory_usage=mid, **kw)
+                    hi = mid
+                except ValueError:
+                    lo = mid
+            p = rx.plan(n, 8, max_memory_usage=hi, **kw)
+            total = rx.measure_memory(p)["total"]
+            worst = max(worst, total / hi)
+            print(f"N={n:5d} {name:9s}: tightest budget {hi / MIB:7.2f} MiB, predicted "
+                  f"{p.memory.total / MIB:7.2f}, compiled {total / MIB:7.2f} MiB = "
+                  f"{total / hi:.3f}x the budget", flush=True)  # fmt: skip
+    print(f"worst: {worst:.3f}x the budget ({'kept' if worst <= 1 else 'BROKEN'})")
+    return 0 if worst <= 1 else 1
+
+
+def remeasure(args) -> int:
+    """Measure every saved configuration again (after a change to what the programs
+    allocate, such as a kernel's), then refit."""
+    import json
+
+    for kind in ("attention", "lm"):
+        with open(_data_path(kind)) as f:
+            saved = json.load(f)
+        rows = []
+        for i, r in enumerate(saved):
+            log(f"[{kind} {i + 1}/{len(saved)}] {r['cfg']}")
+            rows.append(measured_row(r["cfg"]))
+            _save(_data_path(kind), rows + saved[i + 1 :])
+    return refit(args)
+
+
 def _data_path(kind: str) -> str:
     return os.path.join(os.path.dirname(__file__), f"plan_calibration_{kind}.json")
 
@@ -212,19 +231,18 @@ def _data_path(kind: str) -> str:
 def refit(args) -> int:
     """Fit the constants on the saved measurements (attention first, then the LM's, whose
     features include the attention model's prediction) and write them."""
-    attention, lm = dict(_plan_model.ATTENTION), dict(_plan_model.LM)
-    headroom = dict(_plan_model.HEADROOM)
+    headroom = _plan_model.HEADROOM.setdefault("cpu", {})
     if os.path.exists(_data_path("attention")):
         attention, under = fit(_refit_rows(_data_path("attention")))
         headroom["attention"] = _headroom(under)
-        _plan_model.ATTENTION.clear()
-        _plan_model.ATTENTION.update(attention)
+        _plan_model.ATTENTION["cpu"] = attention
     if os.path.exists(_data_path("lm")):
         # Signed: XLA reuses parameter-sized buffers (gradients, Adam's temporaries) for
         # activations once these are large, which a negative count of them expresses.
         lm, under = fit(_refit_rows(_data_path("lm")), signed=True)
         headroom["lm"] = _headroom(under)
-    write_constants(attention, lm, headroom)
+        _plan_model.LM["cpu"] = lm
+    write_constants("cpu")
     log(f"wrote {os.path.relpath(CONSTANTS)}")
     return 0
 
@@ -333,6 +351,12 @@ def main() -> int:
         help="measure a sample of this kind into benchmarks/plan_calibration_KIND.json, then refit",
     )
     parser.add_argument("--refit", action="store_true", help="refit on the saved data")
+    parser.add_argument(
+        "--remeasure", action="store_true", help="measure the saved sample again, then refit"
+    )
+    parser.add_argument(
+        "--tightest", action="store_true", help="plans at their tightest budget, compiled"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--points", type=int, default=80)
     parser.add_argument("--append", action="store_true", help="add to the saved sample")
@@ -358,6 +382,10 @@ def main() -> int:
     jnp.zeros(())  # start the backend with the fake devices
     if args.refit:
         return refit(args)
+    if args.remeasure:
+        return remeasure(args)
+    if args.tightest:
+        return tightest(args)
     return calibrate(args) if args.kind else validate(args)
 
 

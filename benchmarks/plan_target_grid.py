@@ -1,0 +1,420 @@
+"""The memory model calibrated per target family against the real TPU and GPU compilers.
+
+The analytic planner (`ringeqx.plan` without `target=`) answers instantly from a model of
+the arrays a program holds, each term's count fitted per family of compiler: XLA:CPU
+(`benchmarks/plan_grid.py`), XLA:TPU (libtpu, TPU v5p slices) and XLA:GPU (the CUDA
+plugin, H100s). This script measures the programs `ringeqx.plan(..., target=...)` compiles
+(the platform's Pallas kernel; an LM's parameters and Adam state fully sharded and
+donated) on compile-only chips, fits the family's counts, and checks them on a grid they
+were not fitted on.
+
+    # in the TPU venv (jax[tpu]); then the same with --family gpu in the GPU venv
+    python benchmarks/plan_target_grid.py --family tpu --measure fit --points 80
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-scan --points 30
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-ring --points 40
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-deep --points 30
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-long --points 20
+    python benchmarks/plan_target_grid.py --family tpu --measure check
+    python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
+    python benchmarks/plan_target_grid.py --family tpu --fit --lm-from gpu   # (this session's)
+    python benchmarks/plan_target_grid.py --family tpu --table      # the error table
+
+`fit` points are a seeded random sample of small problems (attention of 2K-64K tokens a
+chip; LMs of 1-3 layers, widths 256-2048; `fit-scan` the same LMs with scanned layers);
+`check` points are a fixed grid of the shapes users plan for (Llama-3-8B's heads at long
+shards; 2 layers of its widths and vocabulary, unrolled, and 4 and 8 scanned, under
+each remat policy), none of which the sample holds. Measurements
+accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
+compiled again), so runs can be interrupted and resumed.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import numpy as np  # noqa: E402
+from _constants import CONSTANTS, write_constants  # noqa: E402
+
+import ringeqx as rx  # noqa: E402
+from ringeqx import _plan, _plan_model  # noqa: E402
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "longest_context.md"
+MASKS = {
+    "causal": rx.Causal(),
+    "full": rx.Full(),
+    "window": rx.SlidingWindow(4096),
+    "documents": rx.Causal() & rx.Document(),
+}
+# Per family: the targets (chips) the sample draws from.
+TARGETS = {"tpu": ("v5p:2x2x1", "v5p:2x2x2"), "gpu": ("h100:2", "h100:4", "h100:8")}
+ATTENTION_HEADS = [(8, 2, 128), (16, 4, 128), (8, 8, 64), (4, 1, 128), (16, 2, 64)]
+# (vocab, dim, heads, kv_heads): small LMs for the fit.
+MODELS = [(4096, 256, 4, 2), (32000, 512, 8, 2), (8192, 1024, 8, 8), (50304, 2048, 16, 4)]
+# (vocab, dim, heads, kv_heads): wide LMs of 2-8 layers for the fit, some with the large
+# vocabularies of recent models (none is the check grid's Llama-3-8B width).
+DEEP_MODELS = [
+    (32000, 3072, 24, 8),
+    (65536, 5120, 40, 8),
+    (50304, 2048, 16, 4),
+    (152064, 3584, 28, 4),
+    (128256, 2048, 16, 8),
+]
+LLAMA_8B = dict(heads=32, kv_heads=8, dim=4096, vocab_size=128256, hidden=21504)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _chips(target: str) -> int:
+    return _plan.target_chips(target)
+
+
+def _split(rng: random.Random, target: str) -> tuple[int, int]:
+    """`(batch_devices, num_devices)` of `target`'s chips: the ring gets at least 2."""
+    chips = _chips(target)
+    bd = rng.choice([1, 2]) if chips >= 4 else 1
+    return bd, chips // bd
+
+
+def attention_sample(rng: random.Random, family: str) -> dict:
+    target = rng.choice(TARGETS[family])
+    bd, p = _split(rng, target)
+    h, kh, d = rng.choice(ATTENTION_HEADS)
+    per_chip = rng.choice([2048, 4096, 8192, 16384, 32768, 65536])
+    return dict(
+        kind="attention",
+        target=target,
+        seq_len=per_chip * p,
+        num_devices=p,
+        batch_devices=bd,
+        batch=bd * rng.choice([1, 2]),
+        heads=h,
+        kv_heads=kh,
+        head_dim=d,
+        dtype=rng.choice(["bfloat16", "bfloat16", "float32"]),
+        mask=rng.choice(list(MASKS)),
+        remat="none",
+    )
+
+
+def long_sample(rng: random.Random, family: str) -> dict:
+    """Attention on a shard of 8K-64K tokens a chip."""
+    cfg = attention_sample(rng, family)
+    per_chip = rng.choice([8192, 16384, 32768, 65536])
+    return dict(cfg, seq_len=per_chip * cfg["num_devices"])
+
+
+def lm_sample(rng: random.Random, family: str, scan: bool = False, ring: bool = False) -> dict:
+    """A small LM step on one of `family`'s targets (`ring`: on a ring of every chip)."""
+    target = rng.choice(TARGETS[family])
+    bd, p = (1, _chips(target)) if ring else _split(rng, target)
+    vocab, dim, h, kh = rng.choice(MODELS)
+    per_chip = rng.choice([1024, 2048, 4096, 8192, 16384])
+    return dict(
+        kind="lm",
+        target=target,
+        seq_len=per_chip * p,
+        num_devices=p,
+        batch_devices=bd,
+        batch=bd,
+        heads=h,
+        kv_heads=kh,
+        dim=dim,
+        num_layers=rng.choice([1, 2, 3]),
+        vocab_size=vocab,
+        hidden=rng.choice([3, 4]) * dim,
+        mask=rng.choice(["causal", "causal", "documents", "window"]),
+        remat=rng.choice(["none", "attention", "block"]),
+        **({"scan_layers": True} if scan else {}),
+    )
+
+
+def deep_sample(rng: random.Random, family: str, scan: bool) -> dict:
+    """A wide LM step of 2-8 layers on a ring of all of one of `family`'s targets."""
+    target = rng.choice(TARGETS[family])
+    vocab, dim, h, kh = rng.choice(DEEP_MODELS)
+    per_chip = rng.choice([2048, 4096, 8192])
+    return dict(
+        kind="lm", target=target, seq_len=per_chip * _chips(target), num_devices=_chips(target),
+        batch_devices=1, batch=1, heads=h, kv_heads=kh, dim=dim,
+        num_layers=rng.choice([2, 4, 8] if scan else [2, 3]), vocab_size=vocab,
+        hidden=rng.choice([3, 4]) * dim, mask="causal",
+        remat=rng.choice(["none", "attention", "block"]), scan_layers=scan,
+    )  # fmt: skip
+
+
+def check_grid(family: str) -> list[dict]:
+    """The held-out grid: Llama-3-8B's attention at long shards, and 2 layers of its LM
+    under each remat policy, on the family's 8-chip target."""
+    target = TARGETS[family][-1] if family == "tpu" else "h100:8"
+    out = []
+    for per_chip in (49152, 98304, 196608):
+        for mask in ("causal", "documents"):
+            out.append(dict(
+                kind="attention", target=target, seq_len=per_chip * 8, num_devices=8,
+                batch_devices=1, batch=1, heads=32, kv_heads=8, head_dim=128,
+                dtype="bfloat16", mask=mask, remat="none",
+            ))  # fmt: skip
+    for per_chip in (4096, 12288):
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                kind="lm", target=target, seq_len=per_chip * 8, num_devices=8,
+                batch_devices=1, batch=1, num_layers=2, mask="causal", remat=remat,
+                **LLAMA_8B,
+            ))  # fmt: skip
+    for per_chip, layers in ((8192, 8), (16384, 4)):
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                kind="lm", target=target, seq_len=per_chip * 8, num_devices=8,
+                batch_devices=1, batch=1, num_layers=layers, mask="causal", remat=remat,
+                scan_layers=True, **LLAMA_8B,
+            ))  # fmt: skip
+    return out
+
+
+def make_plan(cfg: dict) -> rx.Plan:
+    """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
+    kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
+    kw["mask"] = MASKS[cfg["mask"]]
+    kw["device"] = _plan.target_profile(cfg["target"], "cpu", _chips(cfg["target"]))
+    return rx.plan(max_memory_usage=2**50, **kw)
+
+
+def measure(cfg: dict) -> dict:
+    """What the target's compiler allocates for `cfg`'s program, per chip."""
+    kw = {k: v for k, v in cfg.items() if k != "kind"}
+    kw["mask"] = MASKS[cfg["mask"]]
+    try:
+        p = rx.plan(max_memory_usage=2**50, **kw)
+    except rx.NoFit as e:  # refused by the compiler as larger than a chip
+        return {"refused": str(e)[:300], "seconds": e.seconds}
+    c = p.compiled
+    return {
+        "arguments": c.arguments,
+        "outputs": c.outputs,
+        "temp": c.temp,
+        "total": c.total,
+        "seconds": round(c.seconds, 1),
+    }
+
+
+def _data(family: str) -> Path:
+    return ROOT / "benchmarks" / f"plan_calibration_{family}.json"
+
+
+def _load(family: str) -> list[dict]:
+    path = _data(family)
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def run_measure(args) -> None:
+    rows = _load(args.family)
+    done = {json.dumps(r["cfg"], sort_keys=True) for r in rows}
+    if args.measure == "fit":
+        rng = random.Random(args.seed)
+        sample = [
+            (attention_sample if i % 2 == 0 else lm_sample)(rng, args.family)
+            for i in range(args.points)
+        ]
+    elif args.measure == "fit-scan":  # LMs with scanned layers
+        rng = random.Random(args.seed + 1)
+        sample = [lm_sample(rng, args.family, scan=True) for _ in range(args.points)]
+    elif args.measure == "fit-long":  # attention on long shards
+        rng = random.Random(args.seed + 4)
+        sample = [long_sample(rng, args.family) for _ in range(args.points)]
+    elif args.measure == "fit-deep":  # wide LMs, scanned and unrolled
+        rng = random.Random(args.seed + 3)
+        sample = [deep_sample(rng, args.family, i % 3 != 2) for i in range(args.points)]
+    elif args.measure == "fit-ring":  # LMs on a ring of every chip, unrolled and scanned
+        rng = random.Random(args.seed + 2)
+        sample = [lm_sample(rng, args.family, i % 2 == 1, True) for i in range(args.points)]
+    else:
+        sample = check_grid(args.family)
+    for i, cfg in enumerate(sample):
+        key = json.dumps(cfg, sort_keys=True)
+        if key in done:
+            continue
+        start = time.perf_counter()
+        measured = measure(cfg)
+        log(f"[{args.measure} {i + 1}/{len(sample)}] {time.perf_counter() - start:5.1f} s "
+            f"{cfg} -> {measured.get('total', measured.get('refused'))}")  # fmt: skip
+        # Read again before writing: another run may be measuring into the same file.
+        rows = _load(args.family) + [{"split": args.measure, "cfg": cfg, "measured": measured}]
+        done.add(key)
+        _data(args.family).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _rows(family: str, split: str) -> list[dict]:
+    """Measured rows of `split` with their features, regime and exact bytes of
+    arguments and outputs under the present model."""
+    out = []
+    for r in _load(family):
+        if r["split"].partition("-")[0] != split or "total" not in r["measured"]:
+            continue
+        problem = _plan.plan_problem(make_plan(r["cfg"]))
+        features, regime, io = _plan_model.terms(problem)
+        out.append(dict(r, features=features, regime=regime, io=io))
+    return out
+
+
+def _calibrated(row: dict) -> bool:
+    """Whether the model is fitted on a measured row: attention on shards of 8K tokens a
+    chip or more; LM steps of 1 GiB a chip or more whose ring is every chip.
+
+    Smaller programs are left out because they fit any accelerator and their bytes are
+    dominated by what the compilers allocate in other ways: below 8K tokens a chip,
+    libtpu keeps fewer q-sized buffers of attention live (the counts that fit longer
+    shards within 3% are 20-30% off there); small LMs' bytes are the compilers' fixed
+    scratch more than their arrays. With a "batch" axis too, the fully sharded
+    parameters and the activations are sharded over different axes, and the compilers
+    reshard between them in ways the model's terms do not follow (XLA:GPU warns of
+    "involuntary full rematerialization"; up to 2.5x the temp of the same step with
+    batch_devices=1): there, ask the compiler (`target=`)."""
+    cfg = row["cfg"]
+    if cfg["kind"] == "attention":
+        return cfg["seq_len"] // cfg["num_devices"] >= 8192
+    return cfg["batch_devices"] == 1 and row["measured"]["total"] >= 2**30
+
+
+# The LM's terms whose count is one for every regime of a family (the parameters' shards,
+# the logits, one layer's attention, the gathered embedding): the rest (the activations
+# each remat policy keeps, the gathered layers) are fitted per regime, in the same least
+# squares.
+SHARED = ("gradients", "logits", "attention", "in_flight", "const", "embedding")
+
+
+def fit_family(
+    rows: list[dict], kind: str, shared: tuple[str, ...] = ()
+) -> dict[str, dict[str, float]]:
+    """Per regime of `kind`, the counts that minimise the relative error of the total
+    (non-negative least squares); the `shared` terms' counts are common to every
+    regime, fitted on all of them at once."""
+    from scipy.optimize import nnls
+
+    group = [r for r in rows if r["cfg"]["kind"] == kind and _calibrated(r)]
+    regimes = sorted({r["regime"] for r in group})
+    names = sorted(group[0]["features"])
+    columns = [(n, None) for n in names if n in shared]
+    columns += [(n, g) for g in regimes for n in names if n not in shared]
+    def row(r: dict) -> list[float]:
+        return [r["features"][n] if g in (None, r["regime"]) else 0.0 for n, g in columns]
+
+    a = np.array([row(r) for r in group], dtype=np.float64)
+    total = np.array([r["measured"]["total"] for r in group], dtype=np.float64)
+    b = total - np.array([r["io"] for r in group])
+    coef, _ = nnls(a / total[:, None], b / total)
+    err = (a @ coef + total - b) / total - 1
+    out = {}
+    for regime in regimes:
+        out[regime] = {
+            n: round(float(c), 4) for (n, g), c in zip(columns, coef) if c and g in (None, regime)
+        }
+        e = err[[r["regime"] == regime for r in group]]
+        log(f"  {kind} {regime}: {len(e)} points, error {e.min():+.3f} .. {e.max():+.3f}")
+    return out
+
+
+def errors(rows: list[dict]) -> list[tuple[dict, int, int, float]]:
+    """`(row, predicted, compiled, relative error)` of each row under the present model."""
+    out = []
+    for r in rows:
+        predicted = make_plan(r["cfg"]).memory.total
+        compiled = r["measured"]["total"]
+        out.append((r, predicted, compiled, predicted / compiled - 1))
+    return out
+
+
+def run_fit(args) -> None:
+    rows = _rows(args.family, "fit")
+    attention = fit_family(rows, "attention")
+    _plan_model.ATTENTION[args.family] = attention
+    rows = _rows(args.family, "fit")  # the LM's features hold the attention model's
+    if args.lm_from:  # too few LM steps measured to fit: another family's counts
+        _plan_model.LM[args.family] = dict(_plan_model.LM[args.lm_from])
+    else:
+        _plan_model.LM[args.family] = fit_family(rows, "lm", SHARED)
+    rows = _rows(args.family, "fit")
+    under = {}
+    for kind in ("attention", "lm"):
+        errs = [e for r, _, _, e in errors(rows) if r["cfg"]["kind"] == kind and _calibrated(r)]
+        under[kind] = max([1 / (1 + e) - 1 for e in errs] + [0.0])
+    headroom = {k: round(float(np.ceil(v * 100) / 100 + 0.02), 2) for k, v in under.items()}
+    _plan_model.HEADROOM[args.family] = headroom
+    write_constants(args.family)
+    log(f"wrote {CONSTANTS.relative_to(ROOT)} ({args.family}: headroom {headroom})")
+
+
+def _describe(cfg: dict) -> str:
+    per_chip = cfg["seq_len"] // cfg["num_devices"]
+    if cfg["kind"] == "attention":
+        what = f"attention {cfg['heads']}/{cfg['kv_heads']}x{cfg['head_dim']} {cfg['dtype']}"
+    else:
+        what = (f"LM {cfg['num_layers']}x{cfg['dim']} (vocab {cfg['vocab_size']}), "
+                f"remat {cfg['remat']}")  # fmt: skip
+    return f"{cfg['target']} | {what} | {cfg['mask']} | {per_chip // 1024}K"
+
+
+def run_table(args) -> None:
+    """The error table of the held-out grid (Markdown), printed and written into
+    docs/longest_context.md between the family's markers, and the fit's worst errors."""
+    lines = [
+        "| target | program | mask | tokens a chip | predicted GiB | compiled GiB | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    worst = 0.0
+    for r, pred, comp, err in errors(_rows(args.family, "check")):
+        worst = max(worst, abs(err))
+        lines.append(
+            f"| {_describe(r['cfg'])} | {pred / 2**30:.2f} | {comp / 2**30:.2f} | {err:+.1%} |"
+        )
+    fit = [e for r, *_, e in errors(_rows(args.family, "fit")) if _calibrated(r)]
+    lines.append("")
+    lines.append(
+        f"Held out: worst |error| {worst:.1%}. The fit's own {len(fit)} points: "
+        f"{min(fit):+.1%} .. {max(fit):+.1%}."
+    )
+    table = "\n".join(lines)
+    print(table)
+    start, end = (f"<!-- model error table ({args.family}): {w} -->" for w in ("start", "end"))
+    text = DOC.read_text()
+    if start in text:
+        pattern = re.escape(start) + ".*?" + re.escape(end)
+        DOC.write_text(re.sub(pattern, lambda _: f"{start}\n{table}\n{end}", text, flags=re.S))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
+    samples = ("fit", "fit-scan", "fit-ring", "fit-deep", "fit-long", "check")
+    parser.add_argument("--measure", choices=samples)
+    parser.add_argument("--points", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit", action="store_true")
+    parser.add_argument(
+        "--lm-from", choices=("tpu", "gpu"), default=None,
+        help="with --fit: take the LM's counts from this family instead of fitting them",
+    )  # fmt: skip
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    if args.measure:
+        run_measure(args)
+    if args.fit:
+        run_fit(args)
+    if args.table:
+        run_table(args)
+
+
+if __name__ == "__main__":
+    main()
