@@ -120,15 +120,14 @@ class Shapes(eqx.Module):
     family: str = eqx.field(static=True, default="cpu")
     zigzag: bool = eqx.field(static=True, default=False)
 
-    def elements(self, padded: bool = False) -> tuple[int, int, int]:
-        """Elements of one q-shaped, one k-shaped and one row-shaped (lse) array;
-        `padded`: as a TPU lays out the heads-major copies the kernel works on, with
-        `head_dim` padded to whole 128-lane vregs (a head_dim of 64 takes 128)."""
+    def elements(self) -> tuple[int, int, int]:
+        """Elements of one q-shaped, one k-shaped and one row-shaped (lse) array."""
         tokens = self.batch * self.capacity
-        d = self.head_dim
-        if padded and self.family == "tpu":
-            d = -(-d // 128) * 128
-        return tokens * self.heads * d, tokens * self.kv_heads * d, tokens * self.heads
+        return (
+            tokens * self.heads * self.head_dim,
+            tokens * self.kv_heads * self.head_dim,
+            tokens * self.heads,
+        )
 
 
 def attention_features(s: Shapes) -> dict[str, float]:
