@@ -232,3 +232,20 @@ def test_scanned_layers_are_the_unrolled_model():
     # A bool only: beartype (in the tests) or the model itself rejects anything else.
     with pytest.raises((ValueError, TypeError), match="scan_layers"):
         rx.nn.RingTransformerLM(16, 8, 2, 3, scan_layers="yes", **kw)
+
+
+def test_lm_on_a_length_the_ring_does_not_divide():
+    # The stream is held on the ring between layers only where the ring divides it: in
+    # the original order (no layout) the ring pads the sequence itself.
+    m = jax.make_mesh((2, 4), ("batch", "sequence"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    options = rx.nn.AttentionOptions(kernel=rx.XlaKernel(8, 8))
+    model = rx.nn.RingTransformerLM(16, 8, 2, 1, attention=options, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 16)
+
+    @eqx.filter_jit
+    def logits(model, tokens):
+        return jax.vmap(lambda t: model(t, mesh=m), spmd_axis_name="batch")(tokens)
+
+    out = logits(model, tokens)
+    assert out.shape == (2, 10, 16) and bool(jnp.all(jnp.isfinite(out)))
+    assert_close(out[0], model(tokens[0], mesh=m), rtol=1e-5, atol=1e-6)
