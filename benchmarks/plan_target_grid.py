@@ -239,7 +239,9 @@ def run_measure(args) -> None:
         sample = [deep_sample(rng, args.family, i % 3 != 2) for i in range(args.points)]
     elif args.measure == "fit-ring":  # LMs on a ring of every chip, unrolled and scanned
         rng = random.Random(args.seed + 2)
-        sample = [lm_sample(rng, args.family, i % 2 == 1, True) for i in range(args.points)]
+        sample = [
+            lm_sample(rng, args.family, scan=i % 2 == 1, ring=True) for i in range(args.points)
+        ]
     else:
         sample = check_grid(args.family)
     for i, cfg in enumerate(sample):

@@ -369,6 +369,7 @@ def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None
     """The first (remat, tile) that fits, cheapest in compute first: no remat with
     smaller tiles before remat."""
     blocks = _tiles(cfg) if block is None else (block,)
+    # On an accelerator `_tiles` is the kernel's own pair, whose block_kv may differ.
     tiles = None if family(cfg.device) == "cpu" or block is not None else kernel_tiles(cfg)
     for r in _remats(cfg, remat):
         for b in blocks:

@@ -15,8 +15,9 @@ constant calibrated against the compiler's `memory_analysis()`, per family of co
 - `"tpu"` (libtpu, v5p slices) and `"gpu"` (the CUDA plugin, H100s): the program
   `plan(..., target=...)` compiles, the platform's Pallas kernel (its tiles live on chip)
   and an LM's parameters and Adam state fully sharded over every chip and donated
-  (`benchmarks/plan_target_grid.py`). One regime per input width for attention and one
-  per remat policy for an LM, whose layers these compilers schedule differently.
+  (`benchmarks/plan_target_grid.py`). Attention has one regime per ring size (two steps,
+  more) and input width; an LM one per remat policy, unrolled or scanned, whose layers
+  these compilers schedule differently.
 """
 
 import math
@@ -147,7 +148,8 @@ def attention_features(s: Shapes) -> dict[str, float]:
         "kv32": 4.0 * kv,
         "q32_tiled": 4.0 * q * tiled,
         "kv32_tiled": 4.0 * kv * tiled,
-        # Zigzag's two chunks a shard: libtpu keeps more float32 q-sized buffers live.
+        # Zigzag's two chunks a shard, a term of its own: the TPU fit gives it 1.7
+        # float32 q-sized buffers more than other layouts (GPU: 0.03).
         "q32_zigzag": 4.0 * q * s.zigzag,
         "const": float(_MIB),
     }

@@ -64,7 +64,9 @@ def plan(
         ([`ringeqx.nn.RingTransformerLM`][]`(scan_layers=True)`): on TPUs and GPUs it
         compiles in the time of one layer and keeps less memory.
     - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
-        budget).
+        budget). It also picks the compiler the prediction speaks for: a TPU or GPU
+        profile predicts the program `target=` would compile there (the Pallas kernel,
+        fully sharded LM state), with counts fitted to that compiler.
     - `max_memory_usage`: bytes per device (default: the device profile's memory).
     - `remat`, `block_size`: fix a knob instead of searching it.
     - `target`: a cluster to answer for with its own compiler, `"v5p:4x4x4"` (a TPU
