@@ -74,7 +74,7 @@ def attention_config(rng: random.Random, lengths, masks=None, devices=None) -> d
     )
 
 
-def lm_config(rng: random.Random, lengths) -> dict:
+def lm_config(rng: random.Random, lengths, blocks=None) -> dict:
     vocab, dim, layers, h, kh = rng.choice(MODELS)
     return dict(
         seq_len=rng.choice(lengths),
@@ -85,7 +85,7 @@ def lm_config(rng: random.Random, lengths) -> dict:
         dim=dim,
         num_layers=layers,
         mask=rng.choice(["causal", "documents", "window"]),
-        block_size=rng.choice([128, 256]),
+        block_size=rng.choice(blocks or [128, 256]),
         remat=rng.choice(["none", "attention", "block"]),
     )
 
@@ -112,11 +112,13 @@ def measured_row(cfg: dict) -> dict:
     )
 
 
-def fit(rows: list[dict], signed: bool = False) -> tuple[dict[str, dict[str, float]], float]:
-    """Per regime, the counts that minimise the relative error of the total (NNLS, or
-    plain least squares when `signed`), and the largest under-prediction over all rows
-    (the planner's headroom)."""
-    from scipy.optimize import nnls
+def fit(
+    rows: list[dict], signed: tuple[str, ...] = ()
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Per regime, the counts that minimise the relative error of the total, each
+    non-negative but those of the `signed` terms (bounded least squares), and the
+    largest under-prediction over all rows (the planner's headroom)."""
+    from scipy.optimize import lsq_linear
 
     out, under = {}, 0.0
     for regime in sorted({r["regime"] for r in rows}):
@@ -125,11 +127,9 @@ def fit(rows: list[dict], signed: bool = False) -> tuple[dict[str, dict[str, flo
         a = np.array([[r["features"][n] for n in names] for r in group], dtype=np.float64)
         b = np.array([r["measured"]["total"] - r["io"] for r in group], dtype=np.float64)
         w = 1.0 / np.array([r["measured"]["total"] for r in group], dtype=np.float64)
-        if signed:
-            coef = np.linalg.lstsq(a * w[:, None], b * w, rcond=None)[0]
-        else:
-            coef, _ = nnls(a * w[:, None], b * w)
-        out[regime] = {n: round(float(c), 4) for n, c in zip(names, coef) if c != 0}
+        lower = [-np.inf if n in signed else 0.0 for n in names]
+        coef = lsq_linear(a * w[:, None], b * w, bounds=(lower, np.inf), method="bvls").x
+        out[regime] = {n: round(float(c), 4) for n, c in zip(names, coef) if round(c, 4)}
         pred = a @ coef + np.array([r["io"] for r in group])
         err = pred / np.array([r["measured"]["total"] for r in group]) - 1
         under = max(under, float(np.max(1 / (1 + err) - 1)))
@@ -174,7 +174,7 @@ def calibrate(args) -> int:
         if args.kind == "attention":
             cfg = attention_config(rng, lengths, args.calibration_masks, args.calibration_devices)
         else:
-            cfg = lm_config(rng, lengths)
+            cfg = lm_config(rng, lengths, args.calibration_blocks)
         log(f"[{args.kind} {i + 1}/{args.points}] {cfg}")
         rows.append(measured_row(cfg))
         _save(_data_path(args.kind), rows)
@@ -237,9 +237,12 @@ def refit(args) -> int:
         headroom["attention"] = _headroom(under)
         _plan_model.ATTENTION["cpu"] = attention
     if os.path.exists(_data_path("lm")):
-        # Signed: XLA reuses parameter-sized buffers (gradients, Adam's temporaries) for
-        # activations once these are large, which a negative count of them expresses.
-        lm, under = fit(_refit_rows(_data_path("lm")), signed=True)
+        # Signed gradients: XLA reuses parameter-sized buffers (gradients, Adam's
+        # temporaries) for activations once these are large, which a negative count of
+        # them expresses. Every other count is non-negative: a free sign let the fit on
+        # the skipped-tile kernel give attention's temporaries -0.6, which made larger
+        # tiles look smaller to the planner.
+        lm, under = fit(_refit_rows(_data_path("lm")), signed=("gradients", "const"))
         headroom["lm"] = _headroom(under)
         _plan_model.LM["cpu"] = lm
     write_constants("cpu")
@@ -372,6 +375,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--calibration-devices", type=int, nargs="+", default=None, help="attention only"
+    )
+    parser.add_argument(
+        "--calibration-blocks", type=int, nargs="+", default=None, help="LM only (default 128 256)"
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
     parser.add_argument("--lm-lengths", type=int, nargs="+", default=[2048, 65536])

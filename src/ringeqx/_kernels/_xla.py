@@ -263,10 +263,11 @@ class XlaKernel(AbstractAttentionKernel):
                 init = Softmax(zero - jnp.inf, zero, jnp.zeros_like(q2, jnp.float32))
 
                 def kv_step(acc, j):
-                    k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
                     ki_blk = _pick(ki, j)
 
                     def update(acc, dense: bool):
+                        # Sliced inside the branch: a skipped tile copies nothing.
+                        k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
                         s, _ = _logits(q2, k_blk, qi_blk, ki_blk, score_mod, scale, g)
                         if dense:
                             return acc.update(s, jnp.array(True), v_blk, _pv)
@@ -325,16 +326,18 @@ class XlaKernel(AbstractAttentionKernel):
 
                 def q_step(carry, i):
                     dq_all, dk, dv = carry
-                    blocks = [_tile(x, i, bq, 3) for x in qs_in]
 
                     def grads(dense: bool):
-                        q_blk, do_blk, l_blk, de_blk = blocks
+                        # Sliced inside the branch: a skipped tile copies nothing.
+                        q_blk, do_blk, l_blk, de_blk = (_tile(x, i, bq, 3) for x in qs_in)
                         tiles = (q_blk, k_blk, v_blk, do_blk, l_blk, de_blk)
                         args = (_pick(qi, i), ki_blk, mask, score_mod, scale, dense)
                         return _tile_grads(*tiles, *args)
 
                     def skip():
-                        zero_q = jnp.zeros_like(jnp.moveaxis(blocks[0], -1, 2), jnp.float32)
+                        # Zeros shaped like a dQ^T tile, derived from the carry so that
+                        # they share its sharding type.
+                        zero_q = jnp.zeros_like(dq_all[..., :bq])
                         return zero_q, jnp.zeros_like(dk), jnp.zeros_like(dv)
 
                     branches = (skip, functools.partial(grads, False))
