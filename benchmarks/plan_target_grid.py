@@ -14,16 +14,22 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --measure fit-ring --points 40
     python benchmarks/plan_target_grid.py --family tpu --measure fit-deep --points 30
     python benchmarks/plan_target_grid.py --family tpu --measure fit-long --points 20
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 24
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 20 --seed 2 \
+        --targets v5p:2x2x2 --tokens 4096 8192 16384   # (wide steps on 8 chips, longer shards)
     python benchmarks/plan_target_grid.py --family tpu --measure check
     python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
-    python benchmarks/plan_target_grid.py --family tpu --fit --lm-from gpu   # (this session's)
-    python benchmarks/plan_target_grid.py --family tpu --table      # the error table
+    python benchmarks/plan_target_grid.py --family tpu --measure holdout
+    python benchmarks/plan_target_grid.py --family tpu --table      # the error tables
+
+(`benchmarks/RESULTS.md` lists the runs behind the committed constants.)
 
 `fit` points are a seeded random sample of small problems (attention of 2K-64K tokens a
 chip; LMs of 1-3 layers, widths 256-2048; `fit-scan` the same LMs with scanned layers);
 `check` points are a fixed grid of the shapes users plan for (Llama-3-8B's heads at long
 shards; 2 layers of its widths and vocabulary, unrolled, and 4 and 8 scanned, under
-each remat policy), none of which the sample holds. Measurements
+each remat policy), none of which the sample holds; `holdout` points a second such grid
+of Llama-3-70B's shapes, measured only once the model's terms were settled. Measurements
 accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
 compiled again), so runs can be interrupted and resumed.
 """
@@ -70,7 +76,12 @@ DEEP_MODELS = [
     (152064, 3584, 28, 4),
     (128256, 2048, 16, 8),
 ]
+# Tokens a chip of the wide LMs (`--tokens` draws from others).
+DEEP_TOKENS = [2048, 4096, 8192]
+# Llama-3's shapes; `hidden` is 1.5x the gated MLP's, so that the plain MLP's two matrices
+# hold as many parameters as its three.
 LLAMA_8B = dict(heads=32, kv_heads=8, dim=4096, vocab_size=128256, hidden=21504)
+LLAMA_70B = dict(heads=64, kv_heads=8, dim=8192, vocab_size=128256, hidden=43008)
 
 
 def log(message: str) -> None:
@@ -145,7 +156,7 @@ def deep_sample(rng: random.Random, family: str, scan: bool) -> dict:
     """A wide LM step of 2-8 layers on a ring of all of one of `family`'s targets."""
     target = rng.choice(TARGETS[family])
     vocab, dim, h, kh = rng.choice(DEEP_MODELS)
-    per_chip = rng.choice([2048, 4096, 8192])
+    per_chip = rng.choice(DEEP_TOKENS)
     return dict(
         kind="lm", target=target, seq_len=per_chip * _chips(target), num_devices=_chips(target),
         batch_devices=1, batch=1, heads=h, kv_heads=kh, dim=dim,
@@ -153,6 +164,15 @@ def deep_sample(rng: random.Random, family: str, scan: bool) -> dict:
         hidden=rng.choice([3, 4]) * dim, mask="causal",
         remat=rng.choice(["none", "attention", "block"]), scan_layers=scan,
     )  # fmt: skip
+
+
+def width_sample(rng: random.Random, family: str, scan: bool) -> dict:
+    """A deep sample whose MLP is 2-6 times as wide as the model (`deep_sample`'s are 3 or
+    4 times): without it the activations of width `dim` and of width `hidden` are nearly
+    proportional in the sample, and their counts cannot be told apart."""
+    cfg = deep_sample(rng, family, scan)
+    hidden = int(rng.choice([2.0, 2.5, 5.0, 5.5, 6.0]) * cfg["dim"]) // 256 * 256
+    return dict(cfg, hidden=hidden)
 
 
 def check_grid(family: str) -> list[dict]:
@@ -180,6 +200,26 @@ def check_grid(family: str) -> list[dict]:
                 kind="lm", target=target, seq_len=per_chip * 8, num_devices=8,
                 batch_devices=1, batch=1, num_layers=layers, mask="causal", remat=remat,
                 scan_layers=True, **LLAMA_8B,
+            ))  # fmt: skip
+    return out
+
+
+def holdout_grid(family: str) -> list[dict]:
+    """A second held-out grid, measured after the model's terms were settled on the
+    first: Llama-3-70B's attention, 2 unrolled layers of its LM and 4 scanned, under each
+    remat policy, on the family's 8-chip target."""
+    target = TARGETS[family][-1] if family == "tpu" else "h100:8"
+    common = dict(target=target, num_devices=8, batch_devices=1, batch=1, mask="causal")
+    out = [
+        dict(common, kind="attention", seq_len=per_chip * 8, heads=64, kv_heads=8,
+             head_dim=128, dtype="bfloat16", remat="none")
+        for per_chip in (32768, 65536)
+    ]  # fmt: skip
+    for layers, per_chip, scan in ((2, 4096, False), (4, 8192, True)):
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                common, kind="lm", seq_len=per_chip * 8, num_layers=layers, remat=remat,
+                **({"scan_layers": True} if scan else {}), **LLAMA_70B,
             ))  # fmt: skip
     return out
 
@@ -220,6 +260,10 @@ def _load(family: str) -> list[dict]:
 
 
 def run_measure(args) -> None:
+    if args.targets:  # a sample on these targets only
+        TARGETS[args.family] = tuple(args.targets)
+    if args.tokens:  # wide LMs of these tokens a chip
+        DEEP_TOKENS[:] = args.tokens
     rows = _load(args.family)
     done = {json.dumps(r["cfg"], sort_keys=True) for r in rows}
     if args.measure == "fit":
@@ -237,11 +281,16 @@ def run_measure(args) -> None:
     elif args.measure == "fit-deep":  # wide LMs, scanned and unrolled
         rng = random.Random(args.seed + 3)
         sample = [deep_sample(rng, args.family, i % 3 != 2) for i in range(args.points)]
+    elif args.measure == "fit-width":  # wide LMs whose MLP width varies more
+        rng = random.Random(args.seed + 5)
+        sample = [width_sample(rng, args.family, i % 2 == 0) for i in range(args.points)]
     elif args.measure == "fit-ring":  # LMs on a ring of every chip, unrolled and scanned
         rng = random.Random(args.seed + 2)
         sample = [
             lm_sample(rng, args.family, scan=i % 2 == 1, ring=True) for i in range(args.points)
         ]
+    elif args.measure == "holdout":
+        sample = holdout_grid(args.family)
     else:
         sample = check_grid(args.family)
     for i, cfg in enumerate(sample):
@@ -291,10 +340,10 @@ def _calibrated(row: dict) -> bool:
 
 
 # The LM's terms whose count is one for every regime of a family (the parameters' shards,
-# the logits, one layer's attention, the gathered embedding): the rest (the activations
-# each remat policy keeps, the gathered layers) are fitted per regime, in the same least
-# squares.
-SHARED = ("gradients", "logits", "attention", "in_flight", "const", "embedding")
+# one layer's attention, the ring's buffers in flight): the rest (the activations each
+# remat policy keeps, the logits, the gathered embedding and layers, whose lifetimes the
+# policy changes) are fitted per regime, in the same least squares.
+SHARED = ("gradients", "attention", "in_flight", "const")
 
 
 def fit_family(
@@ -343,10 +392,7 @@ def run_fit(args) -> None:
     attention = fit_family(rows, "attention")
     _plan_model.ATTENTION[args.family] = attention
     rows = _rows(args.family, "fit")  # the LM's features hold the attention model's
-    if args.lm_from:  # too few LM steps measured to fit: another family's counts
-        _plan_model.LM[args.family] = dict(_plan_model.LM[args.lm_from])
-    else:
-        _plan_model.LM[args.family] = fit_family(rows, "lm", SHARED)
+    _plan_model.LM[args.family] = fit_family(rows, "lm", SHARED)
     rows = _rows(args.family, "fit")
     under = {}
     for kind in ("attention", "lm"):
@@ -368,46 +414,60 @@ def _describe(cfg: dict) -> str:
     return f"{cfg['target']} | {what} | {cfg['mask']} | {per_chip // 1024}K"
 
 
-def run_table(args) -> None:
-    """The error table of the held-out grid (Markdown), printed and written into
-    docs/longest_context.md between the family's markers, and the fit's worst errors."""
+def _table(family: str, split: str) -> str:
+    """The error table (Markdown) of a held-out grid, with its worst error and the fit's."""
     lines = [
         "| target | program | mask | tokens a chip | predicted GiB | compiled GiB | error |",
         "|---|---|---|---|---|---|---|",
     ]
     worst = 0.0
-    for r, pred, comp, err in errors(_rows(args.family, "check")):
+    for r, pred, comp, err in errors(_rows(family, split)):
         worst = max(worst, abs(err))
         lines.append(
             f"| {_describe(r['cfg'])} | {pred / 2**30:.2f} | {comp / 2**30:.2f} | {err:+.1%} |"
         )
-    fit = [e for r, *_, e in errors(_rows(args.family, "fit")) if _calibrated(r)]
+    fit = [e for r, *_, e in errors(_rows(family, "fit")) if _calibrated(r)]
     lines.append("")
     lines.append(
         f"Held out: worst |error| {worst:.1%}. The fit's own {len(fit)} points: "
         f"{min(fit):+.1%} .. {max(fit):+.1%}."
     )
-    table = "\n".join(lines)
-    print(table)
-    start, end = (f"<!-- model error table ({args.family}): {w} -->" for w in ("start", "end"))
-    text = DOC.read_text()
-    if start in text:
-        pattern = re.escape(start) + ".*?" + re.escape(end)
-        DOC.write_text(re.sub(pattern, lambda _: f"{start}\n{table}\n{end}", text, flags=re.S))
+    return "\n".join(lines)
+
+
+def run_table(args) -> None:
+    """The error tables of the held-out grids (Markdown), printed and written into
+    docs/longest_context.md between the family's markers."""
+    for split, name in (("check", args.family), ("holdout", f"{args.family}, 70B")):
+        if not _rows(args.family, split):
+            continue
+        table = _table(args.family, split)
+        print(table)
+        start, end = (f"<!-- model error table ({name}): {w} -->" for w in ("start", "end"))
+        text = DOC.read_text()
+        if start in text:
+            pattern = re.escape(start) + ".*?" + re.escape(end)
+            text = re.sub(pattern, lambda _: f"{start}\n{table}\n{end}", text, flags=re.S)
+            DOC.write_text(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
-    samples = ("fit", "fit-scan", "fit-ring", "fit-deep", "fit-long", "check")
+    samples = ("fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-long", "check")
+    samples += ("holdout",)
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fit", action="store_true")
     parser.add_argument(
-        "--lm-from", choices=("tpu", "gpu"), default=None,
-        help="with --fit: take the LM's counts from this family instead of fitting them",
+        "--targets", nargs="+", default=None,
+        help="with --measure: draw the sample's targets from these (default: the family's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None,
+        help="with --measure fit-deep or fit-width: tokens a chip to draw from (2K-8K)",
+    )  # fmt: skip
+    parser.add_argument("--fit", action="store_true")
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     if args.measure:

@@ -88,22 +88,22 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "p2-f16": {
-            "in_flight": 1.8717,
-            "residuals": 2.5889
+            "const": 8.2763,
+            "in_flight": 1.4166,
+            "rows_lanes": 5.0263
         },
         "p2-f32": {
-            "const": 136.3662,
-            "q32": 6.1736,
-            "tile": 9.545
+            "const": 112.5969,
+            "rows_lanes": 6.9966
         },
         "pn-f16": {
-            "const": 17.9643,
-            "in_flight": 2.1416,
-            "q32_zigzag": 1.725,
-            "residuals": 4.8668
+            "in_flight": 2.4915,
+            "residuals": 2.5411,
+            "rows_lanes": 3.7014
         },
         "pn-f32": {
-            "q32": 11.2658
+            "residuals": 0.6833,
+            "rows_lanes": 7.3017
         }
     }
 }
@@ -120,128 +120,120 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "gpu": {
         "lm-attention": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.2529,
-            "layer_weights": 0.4984,
-            "logits": 1.7211,
-            "mlp": 2.462,
-            "stream": 0.0768,
-            "weights": 0.2067
+            "attention": 0.5998,
+            "const": 55.2674,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "layer_weights": 0.8324,
+            "logits": 1.6952,
+            "mlp": 1.4271,
+            "sequence": 1.3561,
+            "stream": 2.3381
         },
         "lm-block": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "mlp": 2.132,
-            "stream": 2.1729,
-            "weights": 0.2572
+            "attention": 0.5998,
+            "const": 55.2674,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "layer_weights": 0.4817,
+            "logits": 1.2977,
+            "mlp": 1.0779,
+            "sequence": 2.4837,
+            "stream": 4.9107
         },
         "lm-none": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "stream": 22.5314
+            "attention": 0.5998,
+            "const": 55.2674,
+            "embedding": 0.0476,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "logits": 1.8754,
+            "mlp": 2.5765,
+            "sequence": 1.2886,
+            "stream": 9.2382
         },
         "lm-scan-attention": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.3548,
-            "logits": 1.7211,
-            "mlp": 0.4617,
-            "stream": 6.4463,
-            "weights": 0.2195
+            "attention": 0.5998,
+            "const": 55.2674,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "layer": 1.6189,
+            "layer_weights": 0.0681,
+            "logits": 1.6734,
+            "mlp": 0.7677,
+            "sequence": 0.3651,
+            "stream": 4.9685,
+            "weights": 0.1075
         },
         "lm-scan-block": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.4403,
-            "layer_weights": 1.1019,
-            "logits": 1.7211,
-            "stream": 1.585
+            "attention": 0.5998,
+            "const": 55.2674,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "layer": 0.0948,
+            "layer_weights": 0.634,
+            "logits": 1.7984,
+            "mlp": 0.1405,
+            "sequence": 0.6754,
+            "stream": 1.0244,
+            "weights": 0.0701
         },
         "lm-scan-none": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "mlp": 8.1281,
-            "stream": 3.8871,
-            "weights": 0.7165
+            "attention": 0.5998,
+            "const": 55.2674,
+            "embedding": 0.173,
+            "gradients": 0.2425,
+            "in_flight": 2.2958,
+            "layer": 0.2101,
+            "logits": 1.6621,
+            "mlp": 6.3901,
+            "sequence": 0.1176,
+            "stream": 11.2825,
+            "weights": 0.3401
         }
     },
     "tpu": {
         "lm-attention": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.2529,
-            "layer_weights": 0.4984,
-            "logits": 1.7211,
-            "mlp": 2.462,
-            "stream": 0.0768,
-            "weights": 0.2067
+            "embedding": 0.1001,
+            "logits": 1.1484,
+            "mlp": 0.5333,
+            "sequence": 5.5508
         },
         "lm-block": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "mlp": 2.132,
-            "stream": 2.1729,
-            "weights": 0.2572
+            "logits": 0.9477,
+            "mlp": 0.8931,
+            "sequence": 4.3989
         },
         "lm-none": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "stream": 22.5314
+            "logits": 1.4641,
+            "mlp": 1.8916,
+            "sequence": 2.1003,
+            "stream": 2.6867,
+            "weights": 0.0938
         },
         "lm-scan-attention": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.3548,
-            "logits": 1.7211,
-            "mlp": 0.4617,
-            "stream": 6.4463,
-            "weights": 0.2195
+            "embedding": 0.0159,
+            "layer": 5.5946,
+            "logits": 1.4247,
+            "mlp": 1.8069,
+            "sequence": 0.0431,
+            "stream": 6.0311
         },
         "lm-scan-block": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "layer": 1.4403,
-            "layer_weights": 1.1019,
-            "logits": 1.7211,
-            "stream": 1.585
+            "layer": 0.3072,
+            "layer_weights": 1.0047,
+            "logits": 1.0828,
+            "mlp": 0.0637,
+            "sequence": 1.8778,
+            "stream": 1.0014,
+            "weights": 0.4582
         },
         "lm-scan-none": {
-            "attention": 0.4988,
-            "const": 89.8672,
-            "gradients": 0.0903,
-            "in_flight": 2.8066,
-            "logits": 1.7211,
-            "mlp": 8.1281,
-            "stream": 3.8871,
-            "weights": 0.7165
+            "layer": 4.7354,
+            "logits": 1.8711,
+            "mlp": 6.2188,
+            "stream": 9.1575,
+            "weights": 0.586
         }
     }
 }
@@ -255,10 +247,10 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "gpu": {
         "attention": 0.07,
-        "lm": 0.19
+        "lm": 0.22
     },
     "tpu": {
-        "attention": 0.86,
-        "lm": 0.07
+        "attention": 0.21,
+        "lm": 0.42
     }
 }

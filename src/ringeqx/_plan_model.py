@@ -83,6 +83,7 @@ ATTENTION_TERMS = {
     "q32_tiled": "attention",
     "kv32_tiled": "attention",
     "q32_zigzag": "attention",
+    "rows_lanes": "attention",
     "const": "attention",
 }
 LM_TERMS = {
@@ -91,6 +92,7 @@ LM_TERMS = {
     "weights": "parameters",
     "layer_weights": "parameters",
     "layer": "activations",
+    "sequence": "activations",
     "stream": "activations",
     "mlp": "activations",
     "logits": "activations",
@@ -138,7 +140,7 @@ def attention_features(s: Shapes) -> dict[str, float]:
     ring = s.num_steps > 1
     # Shards of more than one tile loop over tiles: tiled copies of q, dq and k/v.
     tiled = float(s.capacity > min(s.block_q, s.block_kv))
-    return {
+    out = {
         # The custom VJP keeps q, k, v (heads-major copies), out (float32) and lse.
         "residuals": float((q + 2 * kv) * s.itemsize + 4 * (q + rows)),
         # Two K/V blocks in flight forward; backward, K/V and float32 dK/dV, two each.
@@ -153,6 +155,12 @@ def attention_features(s: Shapes) -> dict[str, float]:
         "q32_zigzag": 4.0 * q * s.zigzag,
         "const": float(_MIB),
     }
+    if s.family == "tpu":
+        # Mosaic's kernel takes the float32 rows (lse, and delta backward) broadcast
+        # across a vreg's 128 lanes: as many bytes as q at a head_dim of 128, twice as
+        # many at 64 (without it, the fit under-predicts 64-wide heads by up to 45%).
+        out["rows_lanes"] = 4.0 * rows * 128
+    return out
 
 
 def attention_io(s: Shapes) -> int:
@@ -223,7 +231,8 @@ def lm_features(s: LMShapes) -> dict[str, float]:
     parameters are sharded over `chips`: the gradients are shards, and the step gathers
     the embedding and head (`embedding`) and each layer's weights (`layer_weights`), and
     may keep every layer's for the backward (`weights`); `layer` is one layer's
-    activations, what a rematerialised layer recomputes at a time."""
+    activations, what a rematerialised layer recomputes at a time; `sequence` the hidden
+    states of every chip's tokens."""
     a = s.attention
     tokens = a.batch * a.capacity
     layer_attention, in_flight = _attention_temp(a)
@@ -242,6 +251,11 @@ def lm_features(s: LMShapes) -> dict[str, float]:
         out["weights"] = 4.0 * s.num_layers * layer
         out["layer_weights"] = 4.0 * layer
         out["layer"] = 4.0 * tokens * (s.dim + s.hidden)
+        # The whole sequence's hidden states: with the head's weights sharded over the
+        # ring's chips, the compilers gather the activations for a vocabulary-sharded
+        # head (XLA:GPU's memory report for 2 layers of Llama-3-8B's widths at 4K tokens
+        # on 8 H100s holds f32[32768,4096] more than once).
+        out["sequence"] = 4.0 * tokens * s.chips * s.dim
     return out
 
 
