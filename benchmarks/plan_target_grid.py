@@ -454,8 +454,9 @@ def run_table(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
-    samples = ("fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-long", "check")
-    samples += ("holdout",)
+    samples = (
+        "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-long", "check", "holdout",
+    )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
@@ -465,7 +466,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=None,
-        help="with --measure fit-deep or fit-width: tokens a chip to draw from (2K-8K)",
+        help="with --measure fit-deep or fit-width: tokens a chip to draw from (default 2K-8K)",
     )  # fmt: skip
     parser.add_argument("--fit", action="store_true")
     parser.add_argument("--table", action="store_true")
