@@ -194,46 +194,46 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "lm-attention": {
-            "embedding": 0.1001,
-            "logits": 1.1484,
-            "mlp": 0.5333,
-            "sequence": 5.5508
+            "embedding": 0.108,
+            "logits": 1.114,
+            "mlp": 0.2322,
+            "sequence": 5.8551,
+            "weights": 0.0571
         },
         "lm-block": {
-            "logits": 0.9477,
-            "mlp": 0.8931,
-            "sequence": 4.3989
+            "logits": 0.9426,
+            "mlp": 0.3509,
+            "sequence": 4.9633
         },
         "lm-none": {
-            "logits": 1.4641,
-            "mlp": 1.8916,
-            "sequence": 2.1003,
-            "stream": 2.6867,
-            "weights": 0.0938
+            "logits": 1.4428,
+            "mlp": 1.6513,
+            "sequence": 1.6396,
+            "stream": 5.104,
+            "weights": 0.1322
         },
         "lm-scan-attention": {
-            "embedding": 0.0159,
-            "layer": 5.5946,
-            "logits": 1.4247,
-            "mlp": 1.8069,
-            "sequence": 0.0431,
-            "stream": 6.0311
+            "embedding": 0.099,
+            "layer": 0.1011,
+            "logits": 1.1051,
+            "mlp": 2.8815,
+            "sequence": 3.4956,
+            "stream": 3.1743,
+            "weights": 0.0848
         },
         "lm-scan-block": {
-            "layer": 0.3072,
-            "layer_weights": 1.0047,
-            "logits": 1.0828,
-            "mlp": 0.0637,
-            "sequence": 1.8778,
-            "stream": 1.0014,
-            "weights": 0.4582
+            "layer_weights": 2.3476,
+            "logits": 1.0692,
+            "mlp": 0.2231,
+            "sequence": 1.7053,
+            "stream": 1.4907
         },
         "lm-scan-none": {
-            "layer": 4.7354,
-            "logits": 1.8711,
-            "mlp": 6.2188,
-            "stream": 9.1575,
-            "weights": 0.586
+            "layer": 9.982,
+            "logits": 1.803,
+            "mlp": 5.5317,
+            "stream": 10.4921,
+            "weights": 0.3237
         }
     }
 }
@@ -251,6 +251,6 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "tpu": {
         "attention": 0.21,
-        "lm": 0.42
+        "lm": 0.48
     }
 }
