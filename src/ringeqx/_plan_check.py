@@ -236,13 +236,16 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
     (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
     does (before any compile when an LM's parameters and Adam state alone do not fit)."""
     tiles = kernel_tiles(cfg)
-    tried, total, seconds = [], None, 0.0
+    candidates = [
+        make_plan(cfg, tiles[0], r, predict(cfg, tiles[0], r, cfg.num_devices), tiles=tiles,
+                  target=target)
+        for r in remats
+    ]  # fmt: skip
     if cfg.kind == "lm":
-        memory = predict(cfg, tiles[0], remats[0], cfg.num_devices)
-        _check_state(cfg, make_plan(cfg, tiles[0], remats[0], memory, tiles=tiles, target=target))
-    for remat in remats:
-        memory = predict(cfg, tiles[0], remat, cfg.num_devices)
-        plan = make_plan(cfg, tiles[0], remat, memory, tiles=tiles, target=target)
+        _check_state(cfg, candidates[0])
+    tried, total, seconds = [], None, 0.0
+    for plan in candidates:
+        remat, memory = plan.remat, plan.memory
         start = time.perf_counter()
         try:
             compiled, program = compile_plan(plan)

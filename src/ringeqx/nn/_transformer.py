@@ -150,21 +150,23 @@ def _options(attention: AttentionOptions | None, kwargs: dict | None) -> Attenti
     return AttentionOptions(**kwargs)
 
 
-def _check_cache(model: "RingTransformerLM", cache: KVCache, ring_size: int) -> None:
-    """A cache `model.decode` can use: this model's layers, kv heads, head_dim and
-    dtype, one example, made for `ring_size` devices. Shapes and dtypes only, so a
-    trace-time error."""
+def _check_cache(
+    layers: "tuple[TransformerBlock, ...]", cache: KVCache, ring_size: int
+) -> None:
+    """A cache a model of these `layers` can decode with: their number, kv heads,
+    head_dim and dtype, one example, made for `ring_size` devices. Shapes and dtypes
+    only, so a trace-time error."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"`cache` must be a ringeqx.KVCache; got {type(cache).__name__}.")
-    axis = model.layers[0].attention.axis_name
+    axis = layers[0].attention.axis_name
     if cache.num_shards != ring_size:
         raise ValueError(
             f"`cache` was made for a ring of {cache.num_shards} devices (num_shards); the "
             f"ring axis {axis!r} has {ring_size} devices in the mesh it is decoded on."
         )
-    if cache.num_layers != len(model.layers):
+    if cache.num_layers != len(layers):
         raise ValueError(
-            f"`cache` must have one layer per block of the model ({len(model.layers)}); "
+            f"`cache` must have one layer per block of the model ({len(layers)}); "
             f"got {cache.num_layers} layers."
         )
     slots = jnp.shape(cache.records.positions)
@@ -180,7 +182,7 @@ def _check_cache(model: "RingTransformerLM", cache: KVCache, ring_size: int) -> 
                 f"`cache.{name}` must be a {jnp.dtype(dtype).name} scalar; got "
                 f"{jnp.result_type(x)} of shape {jnp.shape(x)}."
             )
-    for i, (block, k, v) in enumerate(zip(model.layers, cache.keys, cache.values)):
+    for i, (block, k, v) in enumerate(zip(layers, cache.keys, cache.values)):
         a = block.attention
         want = (a.num_kv_heads, slots[0], a.head_dim)
         for name, x in (("keys", k), ("values", v)):
@@ -429,15 +431,16 @@ class RingTransformerLM(eqx.Module):
         prompt token see one of the next `max_new_tokens` tokens, which a cache cannot
         serve (`decode` checks that at run time otherwise).
         """
-        axis = self.layers[0].attention.axis_name
+        layers = self.layers  # with `scan_layers`, each one sliced from the stack
+        axis = layers[0].attention.axis_name
         mesh = inference_mesh(mesh, axis)
         tokens, layout = _prompt(self, tokens, layout, segment_ids, mesh.shape[axis])
         capacity = cache_capacity(layout, max_new_tokens)
         info = layout.token_info()
-        check_servable(layer_masks(self.layers), info, layout.seq_len, max_new_tokens)
+        check_servable(layer_masks(layers), info, layout.seq_len, max_new_tokens)
         x = jax.vmap(self.embedding)(tokens)
         keys, values = [], []
-        for block in self.layers:
+        for block in layers:
             x, k, v = block.prefill(x, layout, mesh=mesh)
             keys.append(k)
             values.append(v)
@@ -485,23 +488,24 @@ class RingTransformerLM(eqx.Module):
         that does not fit this model and mesh (layers, kv heads, head_dim, dtype, slots,
         devices) or an unknown `on_overflow`.
         """
-        axis = self.layers[0].attention.axis_name
+        layers = self.layers  # with `scan_layers`, each one sliced from the stack
+        axis = layers[0].attention.axis_name
         mesh = inference_mesh(mesh, axis)
         match on_overflow:
             case "error" | "flag":
                 pass
             case _:
                 raise ValueError(f"`on_overflow` must be 'error' or 'flag'; got {on_overflow!r}.")
-        _check_cache(self, cache, mesh.shape[axis])
+        _check_cache(layers, cache, mesh.shape[axis])
         check_devices(cache, mesh)
-        distances = [b.attention.mask.max_distance() for b in self.layers]
+        distances = [b.attention.mask.max_distance() for b in layers]
         bound = None if None in distances else max(d for d in distances if d is not None)
         slot, ok = cache.next_slot(bound)
         # Masks that may look ahead: does an earlier token see this one? (Then its
         # cached keys and values, never recomputed, are wrong.)
         ahead = [
             (f"{name} ({type(m).__name__})", m)
-            for name, m in layer_masks(self.layers)
+            for name, m in layer_masks(layers)
             if m.max_lookahead() != 0
         ]
         sees = [jnp.any(sees_ahead(m, cache.records, cache.query())) for _, m in ahead]
@@ -511,7 +515,7 @@ class RingTransformerLM(eqx.Module):
         query, records = cache.query(), replicated(cache.write_records(slot), mesh)
         x = self.embedding(token)
         keys, values = [], []
-        for block, k, v in zip(self.layers, cache.keys, cache.values):
+        for block, k, v in zip(layers, cache.keys, cache.values):
             x, k, v = block.decode(x, k, v, query, records, slot, mesh=mesh)
             keys.append(k)
             values.append(v)
