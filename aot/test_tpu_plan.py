@@ -1,6 +1,8 @@
 """The compile-backed planner on a 4-chip TPU v5e slice (libtpu compiles every probe)."""
 
-from plan_cases import check_longest_context, check_plans
+from plan_cases import ATTENTION, check_longest_context, check_plans
+
+import ringeqx as rx
 
 
 def test_plans_for_v5e():
@@ -9,3 +11,13 @@ def test_plans_for_v5e():
 
 def test_longest_context_on_v5e():
     check_longest_context("v5e:2x2")
+
+
+def test_one_chip_v5e():
+    # A single-chip v5e: libtpu's own host layout for it, the budget its runtime allows
+    # (a real chip's bytes_limit, below the published 16 GiB), and the model calibrated
+    # for a ring of one against the compiler.
+    p = rx.plan(65536, 1, target="v5e:1x1", **ATTENTION)
+    assert p.max_memory_usage == 16_909_336_064 and p.device == "tpu-v5e"
+    assert 0 < p.compiled.total <= p.max_memory_usage
+    assert abs(p.memory.total / p.compiled.total - 1) <= 0.15, (p.memory, p.compiled)

@@ -13,6 +13,10 @@ from ringeqx._kernels._select import mesh_device_type
         ("v5p", "2x2x1", 4, "TPU v5"),
         ("v6e:4x4", None, 16, "TPU v6 lite"),
         ("v5p:4x4x4", None, 64, "TPU v5"),
+        # Slices smaller than libtpu's default 2x2 host (a single-chip v5e is rented).
+        ("v5e:1x1", None, 1, "TPU v5 lite"),
+        ("v5p", "1x1x1", 1, "TPU v5"),
+        ("v5e:1x2", None, 2, "TPU v5 lite"),
     ],
 )
 def test_tpu_slices(target, size, count, kind):

@@ -119,6 +119,42 @@ def dpa_fns(causal: bool, implementation: str | None):
     return jax.jit(forward), jax.jit(forward_backward)
 
 
+def splash_fns(causal: bool, heads: int, length: int, head_dim: int, blocks: int | None):
+    """JAX's own Pallas TPU flash attention (splash attention, `jax.experimental`), a
+    peer: heads-major, grouped K/V heads as they are, q pre-scaled (splash does not
+    scale); `blocks`: its tiles (q tiles of `blocks`, K/V tiles of twice that, computed
+    `blocks` at a time), or None for splash's defaults."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+        splash_attention_mask as splash_mask,
+    )
+
+    shape = (length, length)
+    base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
+    sizes = None
+    if blocks is not None:
+        b, kv = min(blocks, length), min(2 * blocks, length)
+        sizes = splash.BlockSizes(
+            block_q=b, block_kv=kv, block_kv_compute=b,
+            block_q_dkv=b, block_kv_dkv=kv, block_kv_dkv_compute=b,
+            block_q_dq=b, block_kv_dq=kv,
+        )  # fmt: skip
+    kernel = splash.make_splash_mha(
+        splash_mask.MultiHeadMask([base] * heads), head_shards=1, q_seq_shards=1,
+        block_sizes=sizes,
+    )  # fmt: skip
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(q, k, v):
+        return jax.vmap(kernel)((q * scale).astype(q.dtype), k, v)
+
+    def forward_backward(q, k, v, d_out):
+        out, vjp = jax.vjp(forward, q, k, v)
+        return out, vjp(d_out)
+
+    return jax.jit(forward), jax.jit(forward_backward)
+
+
 def seconds(fn, args, repeats: int) -> float:
     """Median wall time of `fn(*args)` after one compiling call."""
     return median_seconds(fn, *args, repeats=repeats)
@@ -290,17 +326,29 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                     name: (kernel_fns(kernel, info, mask), (q, k, v), (q, k, v, d_out))
                     for name, kernel in kernels.items()
                 }
-                rows[f"dot_product_attention[{dpa_impl}]"] = (
-                    dpa_fns(causal, dpa_impl),
-                    tuple(btnh[:3]),
-                    tuple(btnh),
-                )
-                for name, ((fwd, fwd_bwd), fwd_args, bwd_args) in rows.items():
+                # Peers: a failure of theirs (the dense baseline runs out of memory
+                # at 32K) is printed, not counted.
+                peers = {
+                    f"dot_product_attention[{dpa_impl}]": (
+                        lambda: dpa_fns(causal, dpa_impl), tuple(btnh[:3]), tuple(btnh)
+                    )
+                }  # fmt: skip
+                if jax.default_backend() == "tpu":
+                    for blocks in (None, 512):
+                        name = f"splash[{'default tiles' if blocks is None else blocks}]"
+                        make = lambda b=blocks: splash_fns(  # noqa: E731
+                            causal, cfg["heads"], length, head_dim, b
+                        )
+                        peers[name] = (make, (q, k, v), (q, k, v, d_out))
+                rows.update(peers)
+                for name, (fns, fwd_args, bwd_args) in rows.items():
                     try:
+                        fwd, fwd_bwd = fns() if callable(fns) else fns
                         t_f = seconds(fwd, fwd_args, cfg["repeats"])
                         t_fb = seconds(fwd_bwd, bwd_args, cfg["repeats"])
-                    except Exception as e:  # noqa: BLE001 - reported and counted
-                        failures.append(f"bench {name} {length} d{head_dim}: {e!r}")
+                    except Exception as e:  # noqa: BLE001 - reported (counted if ours)
+                        if name not in peers:
+                            failures.append(f"bench {name} {length} d{head_dim}: {e!r}")
                         traceback.print_exc(file=sys.stderr)
                         print(
                             f"| {length} | {head_dim} | {causal} | {name} | "

@@ -229,7 +229,12 @@ def make_plan(cfg: dict) -> rx.Plan:
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
     kw["mask"] = MASKS[cfg["mask"]]
     kw["device"] = _plan.target_profile(cfg["target"], "cpu", _chips(cfg["target"]))
-    return rx.plan(max_memory_usage=2**50, **kw)
+    # The analytic planner's first candidate, built directly: `rx.plan` refuses a regime
+    # the model was never calibrated for, which is what a fit calibrates.
+    problem, (remat,) = _plan.problem(max_memory_usage=2**50, **kw)
+    tiles = _plan.kernel_tiles(problem)
+    memory = _plan.predict(problem, tiles[0], remat, problem.num_devices)
+    return _plan.make_plan(problem, tiles[0], remat, memory, tiles=tiles)
 
 
 def measure(cfg: dict) -> dict:

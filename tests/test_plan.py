@@ -8,6 +8,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import ringeqx as rx
@@ -152,6 +153,37 @@ def test_profile_memory_is_the_default_budget():
     assert model.blocks[0].attention.mask == p.mask
 
 
+def test_tpu_budgets_are_what_the_runtime_allows():
+    # A real v5e chip lets a program have 15.75 GiB of its 16 (memory_stats' bytes_limit,
+    # libtpu's "available HBM"); v6e 31.25 of 32. The published figures stay the profiles'.
+    kw = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+    v5e = rx.plan(65536, 4, device="tpu-v5e", **kw)
+    assert v5e.max_memory_usage == 16_909_336_064 < rx.HARDWARE["tpu-v5e"].memory
+    v6e = rx.plan(65536, 4, device="tpu-v6e", **kw)
+    assert 31.24 * 2**30 < v6e.max_memory_usage < 31.25 * 2**30 < rx.HARDWARE["tpu-v6e"].memory
+    assert rx.plan(65536, 4, device="tpu-v5p", **kw).max_memory_usage == 95 * 2**30
+
+
+def test_uncalibrated_regime_is_refused_not_guessed(monkeypatch):
+    # With no counts for its regime the model would predict the arguments and outputs
+    # alone (a 1-chip TPU ring so predicted was 2.7x under its compiled bytes): refused.
+    from ringeqx._plan_constants import ATTENTION, LM
+
+    kw = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+    assert rx.plan(65536, 1, device="tpu-v5p", **kw).memory.attention > 0
+    monkeypatch.delitem(ATTENTION["tpu"], "p1-f16")
+    with pytest.raises(ValueError, match=r"no calibration for 'p1-f16' programs on 'tpu'.*target="):
+        rx.plan(65536, 1, device="tpu-v5p", **kw)
+    lm = dict(heads=8, kv_heads=2, dim=512, num_layers=2, vocab_size=4096)
+    assert rx.plan(16384, 4, device="h100", remat="block", **lm).remat == "block"
+    monkeypatch.delitem(LM["gpu"], "lm-block")
+    with pytest.raises(ValueError, match=r"no calibration for 'lm-block' programs on 'gpu'"):
+        rx.plan(16384, 4, device="h100", remat="block", **lm)
+    # Asking for any remat tries each, so a missing one is refused too.
+    with pytest.raises(ValueError, match=r"'lm-block'"):
+        rx.plan(16384, 4, device="h100", **lm)
+
+
 def test_cli_plan_table_and_json(capsys):
     args = [
         "plan",
@@ -275,7 +307,8 @@ def test_accelerator_profiles_plan_their_compilers_program():
 
     remats = ("none", "attention", "block")
     for family, device in (("tpu", "tpu-v5p"), ("gpu", "h100")):
-        assert {f"{p}-{w}" for p in ("p2", "pn") for w in ("f16", "f32")} <= set(ATTENTION[family])
+        rings = ("p1", "p2", "pn")
+        assert {f"{p}-{w}" for p in rings for w in ("f16", "f32")} <= set(ATTENTION[family])
         assert set(LM[family]) == {f"lm-{s}{r}" for s in ("", "scan-") for r in remats}
         assert 0 < HEADROOM[family]["lm"] < 0.5
         assert headroom("lm", device) == HEADROOM[family]["lm"]

@@ -23,6 +23,7 @@ from ._plan_model import (
     headroom,
     predict_attention,
     predict_lm,
+    uncalibrated,
 )
 from ._report import HARDWARE, float_itemsize
 from ._steps import ring_window
@@ -462,6 +463,14 @@ def target_profile(target: str, device: str, devices: int) -> str:
     return profile
 
 
+# The default budget where the runtime keeps part of the published HBM, so that a plan
+# between the two would compile for the published size and be refused on the chip: a
+# real TPU v5e chip's `memory_stats()["bytes_limit"]` (16 GiB published), which is also
+# libtpu's "available HBM (15.75G)" for a compile-only v5e; v6e's libtpu figure (31.25G
+# of 32 GiB) less 4 MiB for its rounding.
+_USABLE = {"tpu-v5e": 16_909_336_064, "tpu-v6e": 32 * 2**30 - 772 * _MIB}
+
+
 def _budget(device: str, max_memory_usage: int | None) -> int:
     if device != "cpu" and device not in HARDWARE:
         raise ValueError(f"`device` must be 'cpu' or one of {sorted(HARDWARE)}; got {device!r}.")
@@ -479,7 +488,7 @@ def _budget(device: str, max_memory_usage: int | None) -> int:
             f"The device profile {device!r} has no memory size: pass `max_memory_usage` "
             "(bytes per device)."
         )
-    return int(memory)
+    return int(min(memory, _USABLE.get(device, memory)))
 
 
 def _float_name(dtype) -> str:
@@ -590,6 +599,13 @@ def problem(
 
 def analytic_plan(cfg: Problem, remat: Remat | None, block_size: int | None) -> Plan:
     """The first candidate the model predicts fits, or a ValueError saying what would."""
+    for r in _remats(cfg, remat):
+        why = uncalibrated(_problem(cfg, _tiles(cfg)[0], r, cfg.num_devices))
+        if why is not None:
+            raise ValueError(
+                f"No analytic plan: {why}. Plan with `target=` (a TPU slice or GPU count) "
+                "to ask the target's compiler instead."
+            )
     found = _search(cfg, remat, block_size)
     if found is None:
         raise ValueError(_no_fit_message(cfg, remat, block_size))

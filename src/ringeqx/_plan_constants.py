@@ -66,6 +66,15 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
         }
     },
     "gpu": {
+        "p1-f16": {
+            "kv32_tiled": 1.0395,
+            "residuals": 1.0064,
+            "tile": 0.4897
+        },
+        "p1-f32": {
+            "q32": 1.9982,
+            "residuals": 0.1473
+        },
         "p2-f16": {
             "in_flight": 0.3848,
             "residuals": 2.1597,
@@ -87,10 +96,19 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
         }
     },
     "tpu": {
+        "p1-f16": {
+            "kv_rows_lanes": 4.0419,
+            "rows_lanes": 3.3142
+        },
+        "p1-f32": {
+            "kv_rows_lanes": 4.0958,
+            "rows_lanes": 3.688
+        },
         "p2-f16": {
-            "const": 8.2763,
-            "in_flight": 1.4166,
-            "rows_lanes": 5.0263
+            "const": 22.2515,
+            "in_flight": 0.2136,
+            "kv_rows_lanes": 4.3812,
+            "rows_lanes": 5.4694
         },
         "p2-f32": {
             "const": 112.5969,
@@ -250,7 +268,7 @@ HEADROOM: dict[str, dict[str, float]] = {
         "lm": 0.22
     },
     "tpu": {
-        "attention": 0.21,
+        "attention": 0.23,
         "lm": 0.48
     }
 }

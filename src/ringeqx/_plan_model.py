@@ -84,6 +84,7 @@ ATTENTION_TERMS = {
     "kv32_tiled": "attention",
     "q32_zigzag": "attention",
     "rows_lanes": "attention",
+    "kv_rows_lanes": "attention",
     "const": "attention",
 }
 LM_TERMS = {
@@ -160,6 +161,10 @@ def attention_features(s: Shapes) -> dict[str, float]:
         # across a vreg's 128 lanes: as many bytes as q at a head_dim of 128, twice as
         # many at 64 (without it, the fit under-predicts 64-wide heads by up to 45%).
         out["rows_lanes"] = 4.0 * rows * 128
+        # And the tokens' positions as int32 per kv head across 128 lanes (libtpu's
+        # buffer assignment: s32[b, kv_heads, n, 128]); without it a 1-chip ring's
+        # kv-heavy heads (8/8 x 64) were under-predicted by up to 29%.
+        out["kv_rows_lanes"] = 4.0 * s.batch * s.capacity * s.kv_heads * 128
     return out
 
 
@@ -282,8 +287,28 @@ def lm_regime(s: LMShapes) -> str:
 
 
 def _counts(table: dict, family_name: str, regime: str) -> dict[str, float]:
-    """The calibrated counts of a regime (none where it was not calibrated)."""
+    """The calibrated counts of a regime (none where it was not calibrated: see
+    `uncalibrated`, which the analytic planner checks first)."""
     return table.get(family_name, {}).get(regime, {})
+
+
+def uncalibrated(shapes: "Shapes | LMShapes") -> str | None:
+    """Why the model cannot predict `shapes`: its regime (or its attention's) was never
+    calibrated for its family, so no counts would predict the arguments and outputs
+    alone (a 1-chip ring on a TPU predicted so was 2.7x under its compiled bytes);
+    None where it can."""
+    attention = shapes.attention if isinstance(shapes, LMShapes) else shapes
+    checks = [(ATTENTION, attention.family, attention_regime(attention))]
+    if isinstance(shapes, LMShapes):
+        checks.append((LM, attention.family, lm_regime(shapes)))
+    for table, family_name, regime in checks:
+        known = table.get(family_name, {})
+        if regime not in known:
+            return (
+                f"the memory model has no calibration for {regime!r} programs on "
+                f"{family_name!r} devices (calibrated: {sorted(known)})"
+            )
+    return None
 
 
 def _combine(features, terms, coefficients) -> dict[str, float]:

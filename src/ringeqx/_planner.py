@@ -67,7 +67,9 @@ def plan(
         budget). It also picks the compiler the prediction speaks for: a TPU or GPU
         profile predicts the program `target=` would compile there (the Pallas kernel,
         fully sharded LM state), with counts fitted to that compiler.
-    - `max_memory_usage`: bytes per device (default: the device profile's memory).
+    - `max_memory_usage`: bytes per device (default: the device profile's memory;
+        for TPU v5e and v6e what their runtime lets a program have, 15.75 and
+        31.25 GiB, not the published 16 and 32).
     - `remat`, `block_size`: fix a knob instead of searching it.
     - `target`: a cluster to answer for with its own compiler, `"v5p:4x4x4"` (a TPU
         generation and slice) or `"h100:8"` (a GPU and a count), as

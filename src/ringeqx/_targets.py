@@ -150,7 +150,12 @@ def _tpu_devices(name: str) -> tuple:
         raise _needs("jax[tpu]", f"target_mesh({name!r})") from None
     from jax.experimental import topologies
 
-    return tuple(topologies.get_topology_desc(name, "tpu").devices)
+    # libtpu lays a slice out on hosts of 2x2 chips unless told otherwise, and refuses a
+    # slice that is not whole hosts ("v5e:1x1", a single-chip v5e that Cloud TPU rents):
+    # such a slice is one host of its own shape.
+    dims = [int(d) for d in name.split(":")[1].split("x")]
+    bounds = {} if math.prod(dims) >= 4 else {"chips_per_host_bounds": (*dims, 1, 1)[:3]}
+    return tuple(topologies.get_topology_desc(name, "tpu", **bounds).devices)
 
 
 def target_devices(target: str, size: int | str | None = None) -> tuple:
