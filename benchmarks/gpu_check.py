@@ -15,6 +15,7 @@ the Pallas kernels in the interpreter; CI runs that.
 ```
 python benchmarks/gpu_check.py           # real sizes on a GPU or TPU, tiny elsewhere
 python benchmarks/gpu_check.py --tiny    # tiny sizes, interpreter, any machine
+python benchmarks/gpu_check.py --skip-checks --tiles 256x512 1024x1024   # other Pallas tiles
 ```
 
 FLOPs follow the Flash Attention convention: forward `4 * batch * heads * q_len *
@@ -371,6 +372,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--skip-checks", action="store_true", help="only time")
     parser.add_argument("--skip-bench", action="store_true", help="only check")
+    parser.add_argument(
+        "--tiles",
+        nargs="+",
+        default=(),
+        metavar="BQxBK",
+        help="also time the platform's Pallas kernel with these tiles (e.g. 256x512)",
+    )
     args = parser.parse_args(argv)
 
     platform = jax.default_backend()
@@ -416,6 +424,11 @@ def main(argv=None) -> int:
             "xla": rx.select_kernel("xla", platform),
             pallas: rx.select_kernel(pallas, platform),
         }
+    for tiles in args.tiles:
+        bq, _, bk = tiles.partition("x")
+        pallas = "pallas_tpu" if platform == "tpu" or tiny else "pallas_gpu"
+        kind = rx.PallasTpuKernel if pallas == "pallas_tpu" else rx.PallasGpuKernel
+        kernels[f"{pallas}[{tiles}]"] = kind(block_q=int(bq), block_kv=int(bk), interpret=tiny)
     for name, kernel in kernels.items():
         print(f"- {name}: {kernel}")
     dpa_impl, dpa_label = pick_dpa_implementation(on_gpu and not tiny)
