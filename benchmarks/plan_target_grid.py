@@ -76,6 +76,9 @@ DEEP_MODELS = [
     (152064, 3584, 28, 4),
     (128256, 2048, 16, 8),
 ]
+# (vocab, dim, heads, kv_heads): the widest LMs for the fit (`fit-wide`), as wide as
+# Llama-3-70B but none of its shapes (its vocabulary, heads and MLP width together).
+WIDE_MODELS = [(65536, 8192, 64, 8), (100352, 6144, 48, 8), (32000, 7168, 56, 8)]
 # Tokens a chip of the wide LMs (`--tokens` draws from others).
 DEEP_TOKENS = [2048, 4096, 8192]
 # Llama-3's shapes; `hidden` is 1.5x the gated MLP's, so that the plain MLP's two matrices
@@ -173,6 +176,14 @@ def width_sample(rng: random.Random, family: str, scan: bool) -> dict:
     cfg = deep_sample(rng, family, scan)
     hidden = int(rng.choice([2.0, 2.5, 5.0, 5.5, 6.0]) * cfg["dim"]) // 256 * 256
     return dict(cfg, hidden=hidden)
+
+
+def wide_sample(rng: random.Random, family: str, scan: bool) -> dict:
+    """A `width_sample` of 6144-8192 wide models (the others stop at 5120)."""
+    cfg = width_sample(rng, family, scan)
+    vocab, dim, h, kh = rng.choice(WIDE_MODELS)
+    hidden = int(rng.choice([2.5, 3.5, 4.5, 5.5]) * dim) // 256 * 256
+    return dict(cfg, vocab_size=vocab, dim=dim, heads=h, kv_heads=kh, hidden=hidden)
 
 
 def check_grid(family: str) -> list[dict]:
@@ -289,6 +300,9 @@ def run_measure(args) -> None:
     elif args.measure == "fit-width":  # wide LMs whose MLP width varies more
         rng = random.Random(args.seed + 5)
         sample = [width_sample(rng, args.family, i % 2 == 0) for i in range(args.points)]
+    elif args.measure == "fit-wide":  # the widest LMs
+        rng = random.Random(args.seed + 6)
+        sample = [wide_sample(rng, args.family, i % 2 == 0) for i in range(args.points)]
     elif args.measure == "fit-ring":  # LMs on a ring of every chip, unrolled and scanned
         rng = random.Random(args.seed + 2)
         sample = [
@@ -460,7 +474,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
-        "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-long", "check", "holdout",
+        "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-long", "check",
+        "holdout",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
