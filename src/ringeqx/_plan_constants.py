@@ -212,46 +212,50 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "lm-attention": {
-            "embedding": 0.108,
-            "logits": 1.114,
-            "mlp": 0.2322,
-            "sequence": 5.8551,
-            "weights": 0.0571
+            "embedding": 0.1965,
+            "logits": 1.0952,
+            "mlp": 0.669,
+            "sequence": 4.7309
         },
         "lm-block": {
-            "logits": 0.9426,
-            "mlp": 0.3509,
-            "sequence": 4.9633
+            "logits": 0.8938,
+            "mlp": 0.4603,
+            "sequence": 4.9587,
+            "stream": 0.0007,
+            "weights": 0.0168
         },
         "lm-none": {
-            "logits": 1.4428,
-            "mlp": 1.6513,
-            "sequence": 1.6396,
-            "stream": 5.104,
-            "weights": 0.1322
+            "layer": 0.2617,
+            "layer_weights": 0.373,
+            "logits": 1.455,
+            "mlp": 1.5139,
+            "sequence": 1.2317,
+            "stream": 6.1242
         },
         "lm-scan-attention": {
-            "embedding": 0.099,
-            "layer": 0.1011,
-            "logits": 1.1051,
-            "mlp": 2.8815,
-            "sequence": 3.4956,
-            "stream": 3.1743,
-            "weights": 0.0848
+            "embedding": 0.0713,
+            "layer": 0.8288,
+            "logits": 1.1924,
+            "mlp": 2.3485,
+            "sequence": 2.8293,
+            "stream": 4.0956,
+            "weights": 0.1491
         },
         "lm-scan-block": {
-            "layer_weights": 2.3476,
-            "logits": 1.0692,
-            "mlp": 0.2231,
-            "sequence": 1.7053,
-            "stream": 1.4907
+            "layer": 1.4047,
+            "layer_weights": 1.4938,
+            "logits": 1.0068,
+            "sequence": 1.3774,
+            "stream": 2.4047,
+            "weights": 0.0623
         },
         "lm-scan-none": {
-            "layer": 9.982,
-            "logits": 1.803,
-            "mlp": 5.5317,
-            "stream": 10.4921,
-            "weights": 0.3237
+            "layer": 11.4402,
+            "layer_weights": 0.0058,
+            "logits": 1.7477,
+            "mlp": 5.3651,
+            "stream": 10.2748,
+            "weights": 0.2486
         }
     }
 }
@@ -269,6 +273,6 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "tpu": {
         "attention": 0.23,
-        "lm": 0.48
+        "lm": 0.49
     }
 }
