@@ -860,7 +860,8 @@ def _plan_arguments(plan_parser: argparse.ArgumentParser) -> None:
         "--max-memory-mib",
         type=_budget_mib,
         default=None,
-        help="budget per device in MiB (default: the profile's memory)",
+        help="budget per device in MiB (default: the profile's memory; TPU v5e/v6e: what "
+        "their runtime allows, 15.75/31.25 GiB)",
     )
     plan_parser.add_argument("--hidden", type=_positive, default=None, help="LM MLP width")
     plan_parser.add_argument(
