@@ -323,8 +323,12 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                 flops = attention_flops(
                     cfg["batch"], cfg["heads"], length, head_dim, causal
                 )
+                # name -> (a maker of the jitted fwd and fwd+bwd, their arguments),
+                # made inside the try below, where a failure is reported.
                 rows = {
-                    name: (kernel_fns(kernel, info, mask), (q, k, v), (q, k, v, d_out))
+                    name: (
+                        lambda kn=kernel: kernel_fns(kn, info, mask), (q, k, v), (q, k, v, d_out)
+                    )
                     for name, kernel in kernels.items()
                 }
                 # Peers: a failure of theirs (the dense baseline runs out of memory
@@ -342,9 +346,9 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                         )
                         peers[name] = (make, (q, k, v), (q, k, v, d_out))
                 rows.update(peers)
-                for name, (fns, fwd_args, bwd_args) in rows.items():
+                for name, (make, fwd_args, bwd_args) in rows.items():
                     try:
-                        fwd, fwd_bwd = fns() if callable(fns) else fns
+                        fwd, fwd_bwd = make()
                         t_f = seconds(fwd, fwd_args, cfg["repeats"])
                         t_fb = seconds(fwd_bwd, bwd_args, cfg["repeats"])
                     except Exception as e:  # noqa: BLE001 - reported (counted if ours)

@@ -26,7 +26,6 @@ arguments and outputs; the program's temporaries are not in it) and the step's t
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -186,7 +185,7 @@ def run_all(out_path: str | None, probe: list[str] | None) -> int:
     results, failures = [], 0
     for name, seq_len, entry in runs:
         cmd = [sys.executable, __file__, "--run", name, str(seq_len)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+        done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
         if not lines:
             print(f"| {name} | {seq_len:,} | failed: {done.stderr.strip()[-300:]} |")

@@ -486,7 +486,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=None,
-        help="with --measure fit-deep or fit-width: tokens a chip to draw from (default 2K-8K)",
+        help="with --measure fit-deep, fit-width or fit-wide: tokens a chip (default 2K-8K)",
     )  # fmt: skip
     parser.add_argument("--fit", action="store_true")
     parser.add_argument("--table", action="store_true")

@@ -463,14 +463,6 @@ def target_profile(target: str, device: str, devices: int) -> str:
     return profile
 
 
-# The default budget where the runtime keeps part of the published HBM, so that a plan
-# between the two would compile for the published size and be refused on the chip: a
-# real TPU v5e chip's `memory_stats()["bytes_limit"]` (16 GiB published), which is also
-# libtpu's "available HBM (15.75G)" for a compile-only v5e; v6e's libtpu figure (31.25G
-# of 32 GiB) less 4 MiB for its rounding.
-_USABLE = {"tpu-v5e": 16_909_336_064, "tpu-v6e": 32 * 2**30 - 772 * _MIB}
-
-
 def _budget(device: str, max_memory_usage: int | None) -> int:
     if device != "cpu" and device not in HARDWARE:
         raise ValueError(f"`device` must be 'cpu' or one of {sorted(HARDWARE)}; got {device!r}.")
@@ -488,7 +480,7 @@ def _budget(device: str, max_memory_usage: int | None) -> int:
             f"The device profile {device!r} has no memory size: pass `max_memory_usage` "
             "(bytes per device)."
         )
-    return int(min(memory, _USABLE.get(device, memory)))
+    return int(memory)
 
 
 def _float_name(dtype) -> str:
