@@ -16,6 +16,7 @@ the Pallas kernels in the interpreter; CI runs that.
 python benchmarks/gpu_check.py           # real sizes on a GPU or TPU, tiny elsewhere
 python benchmarks/gpu_check.py --tiny    # tiny sizes, interpreter, any machine
 python benchmarks/gpu_check.py --skip-checks --tiles 256x512 1024x1024   # other Pallas tiles
+python benchmarks/gpu_check.py --skip-checks --lengths 32768 --only pallas_tpu splash[512]
 ```
 
 FLOPs follow the Flash Attention convention: forward `4 * batch * heads * q_len *
@@ -346,6 +347,7 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                         )
                         peers[name] = (make, (q, k, v), (q, k, v, d_out))
                 rows.update(peers)
+                rows = {n: r for n, r in rows.items() if _wanted(n, cfg["only"])}
                 for name, (make, fwd_args, bwd_args) in rows.items():
                     try:
                         fwd, fwd_bwd = make()
@@ -367,6 +369,11 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                     )
 
 
+def _wanted(name: str, only: tuple[str, ...]) -> bool:
+    """Whether the row `name` is timed under `--only` (names or their prefixes)."""
+    return not only or any(name.startswith(prefix) for prefix in only)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -383,6 +390,14 @@ def main(argv=None) -> int:
         metavar="BQxBK",
         help="also time the platform's Pallas kernel with these tiles (e.g. 256x512)",
     )
+    parser.add_argument(
+        "--lengths", nargs="+", type=int, default=(), metavar="TOKENS",
+        help="time these sequence lengths (default: 8192 32768; tiny: 256)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only", nargs="+", default=(), metavar="NAME",
+        help="time only the rows whose name starts with one of these (e.g. pallas_tpu)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     platform = jax.default_backend()
@@ -428,6 +443,9 @@ def main(argv=None) -> int:
             "xla": rx.select_kernel("xla", platform),
             pallas: rx.select_kernel(pallas, platform),
         }
+    cfg["only"] = tuple(args.only)
+    if args.lengths:
+        cfg["lengths"] = tuple(args.lengths)
     for tiles in args.tiles:
         bq, _, bk = tiles.partition("x")
         pallas = "pallas_tpu" if platform == "tpu" or tiny else "pallas_gpu"
