@@ -123,6 +123,39 @@ def test_kernels_every_mask_modifier_dtype_head_dim_and_gqa(target):
     _compile_blocks(target, _covering(every_pair=False))
 
 
+# Tiles whose kernels hold more than Mosaic's default 16 MiB of scoped VMEM (v5e, v5p):
+# head_dim 256 at the default tiles (17.2 MiB in the backward's dK/dV kernel) and the
+# larger tiles `tile_candidates` and users try (1024 x 1024: 23.5 MiB). Each asks Mosaic
+# for 64 MiB; before it did, none of these compiled.
+LARGE_VMEM = [
+    (rx.PallasTpuKernel(), jnp.bfloat16, 256),
+    (rx.PallasTpuKernel(1024, 1024), jnp.bfloat16, 128),
+    (rx.PallasTpuKernel(1024, 2048), jnp.float32, 64),
+]
+
+
+@pytest.mark.parametrize("target", ["v5e", "v5p"])
+def test_kernels_whose_tiles_need_more_vmem_compile(target):
+    mesh = _one_chip(target)
+    chip = NamedSharding(mesh, P())
+    seq = 2048  # the tiles are not shrunk to it
+
+    def spec(heads, dtype, d):
+        return jax.ShapeDtypeStruct((1, heads, seq, d), dtype, sharding=chip)
+
+    args = [[spec(4, t, d), spec(1, t, d), spec(1, t, d)] for _, t, d in LARGE_VMEM]
+
+    def program(args):
+        return [
+            _block_call(kernel, *qkv, rx.Causal(), None)
+            for qkv, (kernel, _, _) in zip(args, LARGE_VMEM)
+        ]
+
+    with jax.set_mesh(mesh):
+        text = _compile(program, args)
+    assert text.count('custom_call_target="tpu_custom_call"') == 3 * len(LARGE_VMEM)
+
+
 # ----------------------------------------------------------------------------------
 # The whole ring, forward and `jax.grad`, on 4 chips.
 

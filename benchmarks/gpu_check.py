@@ -395,6 +395,10 @@ def main(argv=None) -> int:
         help="time these sequence lengths (default: 8192 32768; tiny: 256)",
     )  # fmt: skip
     parser.add_argument(
+        "--head-dims", nargs="+", type=int, default=(), metavar="D",
+        help="check and time these head dims (default: 64 128; tiny: 64)",
+    )  # fmt: skip
+    parser.add_argument(
         "--only", nargs="+", default=(), metavar="NAME",
         help="time only the rows whose name starts with one of these (e.g. pallas_tpu)",
     )  # fmt: skip
@@ -446,6 +450,8 @@ def main(argv=None) -> int:
     cfg["only"] = tuple(args.only)
     if args.lengths:
         cfg["lengths"] = tuple(args.lengths)
+    if args.head_dims:
+        cfg["head_dims"] = tuple(args.head_dims)
     for tiles in args.tiles:
         bq, _, bk = tiles.partition("x")
         pallas = "pallas_tpu" if platform == "tpu" or tiny else "pallas_gpu"

@@ -195,6 +195,28 @@ def test_mask_with_a_per_pair_table_is_a_clear_error():
         _export(lambda q, k: _block_call(TPU, q, k, k, mask, None), TPU_KINDS[0], q, k)
 
 
+def test_tpu_tiles_too_large_for_vmem_are_a_clear_error():
+    # 2048 x 2048 tiles hold ~78 MiB of VMEM in the backward; Mosaic would refuse them
+    # only when compiling for a chip (aot/test_tpu_matrix.py compiles the ones allowed).
+    q = jax.ShapeDtypeStruct((1, 4, 2048, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 1, 2048, 128), jnp.bfloat16)
+    kernel = rx.PallasTpuKernel(block_q=2048, block_kv=2048)
+
+    def program(q, k):
+        return _block_call(kernel, q, k, k, rx.Causal(), None)
+
+    with pytest.raises(
+        ValueError,
+        match=r"PallasTpuKernel tiles `block_q`=2048 x `block_kv`=2048 at head_dim 128 "
+        r"need about 7\d\.\d MiB of VMEM; expected at most 56 MiB: choose smaller tiles",
+    ):
+        _export(program, TPU_KINDS[0], q, k)
+    # The same tiles on a short sequence shrink to it, and lower.
+    short = [jax.ShapeDtypeStruct(x.shape[:2] + (256, 128), x.dtype) for x in (q, k)]
+    text = _export(program, TPU_KINDS[0], *short)
+    assert _custom_calls(text, "tpu") == 3
+
+
 # ----------------------------------------------------------------------------------
 # The whole ring on an 8-device abstract mesh.
 

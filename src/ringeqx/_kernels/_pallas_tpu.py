@@ -318,9 +318,51 @@ def _in_specs(
     ]
 
 
+# Mosaic's scoped VMEM limit by default on v5e and v5p (v6e's is 32 MiB), and what a
+# call whose tiles need more asks for instead: v5e, v5p and v6e compile such calls
+# (`aot/test_tpu_matrix.py`); the largest tiles asked for stay below it.
+_DEFAULT_SCOPED_VMEM = 16 * 2**20
+_LARGE_SCOPED_VMEM = 64 * 2**20
+_MAX_SCOPED_VMEM = 56 * 2**20
+
+
+def _scoped_vmem(t: common.Tiling, itemsize: int) -> int:
+    """Bytes of VMEM the largest of the three kernels holds for tiles `t`, from above.
+
+    The sum of the float32 score tile and its three siblings of the backward (P, dP,
+    dS); the Q, dO, K and V blocks, double-buffered; the rows (lse, delta) and the
+    tokens' records across lanes; dK and dV accumulated in float32 (or dQ, whichever is
+    larger); nine tenths of it, since Mosaic does not hold all of it at once: libtpu's
+    figures are 77-97% of what this returns (v5e and v5p: 23.5 MiB for 1024 x 1024 tiles
+    at head_dim 128, 17.2-17.7 MiB for 512 x 1024 at 256, 19.0-19.4 for 512 x 2048)."""
+    bq, bk, d = t.block_q, t.block_kv, t.head_dim
+    blocks = 2 * 2 * itemsize * d * (bq + bk)
+    rows = 2 * 2 * 4 * bq * _LANES
+    records = 2 * 4 * 4 * (bq * _LANES + _SUBLANES * bk)
+    accumulators = max(24 * bk * d, 12 * bq * d)
+    return int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators))
+
+
+def _vmem_limit(t: common.Tiling, inputs, interpret: bool) -> int | None:
+    """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
+    fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
+    refuses them only when compiling, with a message about the kernel's internals)."""
+    need = _scoped_vmem(t, inputs[0].dtype.itemsize)
+    if interpret or need <= _DEFAULT_SCOPED_VMEM:
+        return None
+    if need > _MAX_SCOPED_VMEM:
+        raise ValueError(
+            f"PallasTpuKernel tiles `block_q`={t.block_q} x `block_kv`={t.block_kv} at "
+            f"head_dim {t.head_dim} need about {need / 2**20:.1f} MiB of VMEM; expected "
+            f"at most {_MAX_SCOPED_VMEM // 2**20} MiB: choose smaller tiles (the "
+            "default 512 x 1024 needs 14 MiB at head_dim 128)."
+        )
+    return _LARGE_SCOPED_VMEM
+
+
 def _mosaic_call(
     kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name,
-    cost,
+    cost, vmem_limit,
 ):
     """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
     the last `sequential` grid axes accumulate into scratch ("arbitrary")."""
@@ -335,7 +377,9 @@ def _mosaic_call(
             scratch_shapes=scratch,
         ),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=vmem_limit
+        ),
         interpret=interpret,
         name=name,
         cost_estimate=cost,
@@ -373,6 +417,7 @@ def _forward_call(
         interpret=interpret,
         name="ringeqx_tpu_flash_forward",
         cost=common.cost_estimate(t, "forward", inputs),
+        vmem_limit=_vmem_limit(t, inputs, interpret),
     )(*plan, *inputs, *ops.leaves)
 
 
@@ -396,6 +441,7 @@ def _dq_call(
         interpret=interpret,
         name="ringeqx_tpu_flash_backward_dq",
         cost=common.cost_estimate(t, "dq", inputs),
+        vmem_limit=_vmem_limit(t, inputs, interpret),
     )(*plan, *inputs, *ops.leaves)
 
 
@@ -425,6 +471,7 @@ def _dkv_call(
         interpret=interpret,
         name="ringeqx_tpu_flash_backward_dkv",
         cost=common.cost_estimate(t, "dkv", inputs),
+        vmem_limit=_vmem_limit(t, inputs, interpret),
     )(*plan, *inputs, *ops.leaves)
 
 
