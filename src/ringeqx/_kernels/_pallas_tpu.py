@@ -497,6 +497,11 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `block_kv`: key tile (static), a multiple of 128.
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
 
+    Tiles (as shrunk to the sequence) whose kernels need more than Mosaic's default
+    scoped VMEM (16 MiB on v5e and v5p), such as 1024 x 1024, or head_dim 256 at the
+    default tiles, ask Mosaic for 64 MiB; tiles that would need more than 56 MiB are an
+    error when traced.
+
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
     `interpret=True`. Sequences are padded to whole tiles, the padding masked.
     `BlockSparse` (alone or combined) runs from per-tile windows of its map, prefetched
