@@ -17,6 +17,10 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 24
     python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 20 --seed 2 \
         --targets v5p:2x2x2 --tokens 4096 8192 16384   # (wide steps on 8 chips, longer shards)
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-wide --points 24 --seed 2 \
+        --targets v5p:2x2x2 --tokens 4096 8192
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-vocab --points 12 \
+        --targets v5p:2x2x2 --tokens 4096 8192
     python benchmarks/plan_target_grid.py --family tpu --measure check
     python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
     python benchmarks/plan_target_grid.py --family tpu --measure holdout
@@ -79,6 +83,10 @@ DEEP_MODELS = [
 # (vocab, dim, heads, kv_heads): the widest LMs for the fit (`fit-wide`), as wide as
 # Llama-3-70B but none of its shapes (its vocabulary, heads and MLP width together).
 WIDE_MODELS = [(65536, 8192, 64, 8), (100352, 6144, 48, 8), (32000, 7168, 56, 8)]
+# (vocab, dim, heads, kv_heads): wide LMs whose vocabulary outnumbers the sequence's tokens
+# at 4K-8K tokens a chip on 8 chips (`fit-vocab`), where libtpu gathers the sequence for
+# the head rather than its weight; `WIDE_MODELS` at width 8192 have fewer words than that.
+VOCAB_MODELS = [(152064, 8192, 64, 8), (256000, 6144, 48, 8)]
 # Tokens a chip of the wide LMs (`--tokens` draws from others).
 DEEP_TOKENS = [2048, 4096, 8192]
 # Llama-3's shapes; `hidden` is 1.5x the gated MLP's, so that the plain MLP's two matrices
@@ -182,6 +190,14 @@ def wide_sample(rng: random.Random, family: str, scan: bool) -> dict:
     """A `width_sample` of 6144-8192 wide models (the others stop at 5120)."""
     cfg = width_sample(rng, family, scan)
     vocab, dim, h, kh = rng.choice(WIDE_MODELS)
+    hidden = int(rng.choice([2.5, 3.5, 4.5, 5.5]) * dim) // 256 * 256
+    return dict(cfg, vocab_size=vocab, dim=dim, heads=h, kv_heads=kh, hidden=hidden)
+
+
+def vocab_sample(rng: random.Random, family: str, scan: bool) -> dict:
+    """A `wide_sample` of `VOCAB_MODELS`."""
+    cfg = wide_sample(rng, family, scan)
+    vocab, dim, h, kh = rng.choice(VOCAB_MODELS)
     hidden = int(rng.choice([2.5, 3.5, 4.5, 5.5]) * dim) // 256 * 256
     return dict(cfg, vocab_size=vocab, dim=dim, heads=h, kv_heads=kh, hidden=hidden)
 
@@ -303,6 +319,9 @@ def run_measure(args) -> None:
     elif args.measure == "fit-wide":  # the widest LMs
         rng = random.Random(args.seed + 6)
         sample = [wide_sample(rng, args.family, i % 2 == 0) for i in range(args.points)]
+    elif args.measure == "fit-vocab":  # wide LMs of large vocabularies
+        rng = random.Random(args.seed + 7)
+        sample = [vocab_sample(rng, args.family, i % 2 == 0) for i in range(args.points)]
     elif args.measure == "fit-ring":  # LMs on a ring of every chip, unrolled and scanned
         rng = random.Random(args.seed + 2)
         sample = [
@@ -474,8 +493,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
-        "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-long", "check",
-        "holdout",
+        "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
+        "fit-long", "check", "holdout",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
@@ -486,7 +505,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=None,
-        help="with --measure fit-deep, fit-width or fit-wide: tokens a chip (default 2K-8K)",
+        help="with --measure fit-deep, fit-width, fit-wide or fit-vocab: tokens a chip "
+        "(default 2K-8K)",
     )  # fmt: skip
     parser.add_argument("--fit", action="store_true")
     parser.add_argument("--table", action="store_true")

@@ -212,50 +212,56 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "lm-attention": {
-            "embedding": 0.1965,
-            "logits": 1.0952,
-            "mlp": 0.669,
-            "sequence": 4.7309
+            "const": 132.5267,
+            "embedding": 0.1794,
+            "head_weight": 0.7187,
+            "logits": 1.1283,
+            "mlp": 1.0294,
+            "sequence": 3.3583
         },
         "lm-block": {
-            "logits": 0.8938,
-            "mlp": 0.4603,
-            "sequence": 4.9587,
-            "stream": 0.0007,
-            "weights": 0.0168
+            "const": 132.5267,
+            "head_weight": 3.4436,
+            "logits": 1.0477,
+            "sequence": 3.6482,
+            "weights": 0.0607
         },
         "lm-none": {
-            "layer": 0.2617,
-            "layer_weights": 0.373,
-            "logits": 1.455,
-            "mlp": 1.5139,
-            "sequence": 1.2317,
-            "stream": 6.1242
+            "const": 132.5267,
+            "layer": 1.1878,
+            "layer_weights": 0.2309,
+            "logits": 1.5447,
+            "mlp": 1.3085,
+            "sequence": 0.3991,
+            "stream": 5.76
         },
         "lm-scan-attention": {
-            "embedding": 0.0713,
-            "layer": 0.8288,
-            "logits": 1.1924,
-            "mlp": 2.3485,
-            "sequence": 2.8293,
-            "stream": 4.0956,
-            "weights": 0.1491
+            "const": 132.5267,
+            "head_weight": 1.1179,
+            "layer": 2.1917,
+            "layer_weights": 0.1262,
+            "logits": 1.2769,
+            "mlp": 2.0983,
+            "sequence": 0.524,
+            "stream": 5.0676,
+            "weights": 0.1543
         },
         "lm-scan-block": {
-            "layer": 1.4047,
-            "layer_weights": 1.4938,
-            "logits": 1.0068,
-            "sequence": 1.3774,
-            "stream": 2.4047,
-            "weights": 0.0623
+            "const": 132.5267,
+            "layer": 2.347,
+            "logits": 0.9938,
+            "sequence": 1.1622,
+            "stream": 1.4907,
+            "weights": 0.3529
         },
         "lm-scan-none": {
-            "layer": 11.4402,
-            "layer_weights": 0.0058,
-            "logits": 1.7477,
-            "mlp": 5.3651,
-            "stream": 10.2748,
-            "weights": 0.2486
+            "const": 132.5267,
+            "head_weight": 0.2906,
+            "layer": 10.8081,
+            "logits": 1.8173,
+            "mlp": 5.8514,
+            "stream": 7.9567,
+            "weights": 0.1732
         }
     }
 }
@@ -273,6 +279,6 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "tpu": {
         "attention": 0.23,
-        "lm": 0.49
+        "lm": 0.3
     }
 }
