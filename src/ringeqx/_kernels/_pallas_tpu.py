@@ -318,9 +318,9 @@ def _in_specs(
     ]
 
 
-# Mosaic's scoped VMEM limit by default on v5e and v5p (v6e's is 32 MiB), and what a
-# call whose tiles need more asks for instead: v5e, v5p and v6e compile such calls
-# (`aot/test_tpu_matrix.py`); the largest tiles asked for stay below it.
+# Mosaic's scoped VMEM limit by default on v5e and v5p (v6e's is 32 MiB); what a call
+# whose tiles need more asks for instead (v5e, v5p and v6e compile such calls:
+# `aot/test_tpu_matrix.py`); and the largest need (estimated) that is given it.
 _DEFAULT_SCOPED_VMEM = 16 * 2**20
 _LARGE_SCOPED_VMEM = 64 * 2**20
 _MAX_SCOPED_VMEM = 56 * 2**20
@@ -333,7 +333,7 @@ def _scoped_vmem(t: common.Tiling, itemsize: int) -> int:
     dS); the Q, dO, K and V blocks, double-buffered; the rows (lse, delta) and the
     tokens' records across lanes; dK and dV accumulated in float32 (or dQ, whichever is
     larger); nine tenths of it, since Mosaic does not hold all of it at once: libtpu's
-    figures are 77-97% of what this returns (v5e and v5p: 23.5 MiB for 1024 x 1024 tiles
+    figures are 75-97% of what this returns (v5e and v5p: 23.5 MiB for 1024 x 1024 tiles
     at head_dim 128, 17.2-17.7 MiB for 512 x 1024 at 256, 19.0-19.4 for 512 x 2048)."""
     bq, bk, d = t.block_q, t.block_kv, t.head_dim
     blocks = 2 * 2 * itemsize * d * (bq + bk)
