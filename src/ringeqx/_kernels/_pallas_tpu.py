@@ -347,15 +347,19 @@ def _vmem_limit(t: common.Tiling, inputs, interpret: bool) -> int | None:
     """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
     fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
     refuses them only when compiling, with a message about the kernel's internals)."""
-    need = _scoped_vmem(t, inputs[0].dtype.itemsize)
+    itemsize = inputs[0].dtype.itemsize
+    need = _scoped_vmem(t, itemsize)
     if interpret or need <= _DEFAULT_SCOPED_VMEM:
         return None
     if need > _MAX_SCOPED_VMEM:
+        default = PallasTpuKernel()
+        default_tiles = t._replace(block_q=default.block_q, block_kv=default.block_kv)
+        usual = _scoped_vmem(default_tiles, itemsize)
         raise ValueError(
             f"PallasTpuKernel tiles `block_q`={t.block_q} x `block_kv`={t.block_kv} at "
             f"head_dim {t.head_dim} need about {need / 2**20:.1f} MiB of VMEM; expected "
-            f"at most {_MAX_SCOPED_VMEM // 2**20} MiB: choose smaller tiles (the "
-            "default 512 x 1024 needs 14 MiB at head_dim 128)."
+            f"at most {_MAX_SCOPED_VMEM // 2**20} MiB: choose smaller tiles (the default "
+            f"{default.block_q} x {default.block_kv} needs {usual / 2**20:.1f} MiB here)."
         )
     return _LARGE_SCOPED_VMEM
 
