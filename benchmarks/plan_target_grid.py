@@ -24,6 +24,7 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --measure check
     python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
     python benchmarks/plan_target_grid.py --family tpu --measure holdout
+    python benchmarks/plan_target_grid.py --family tpu --measure blind
     python benchmarks/plan_target_grid.py --family tpu --table      # the error tables
 
 (`benchmarks/RESULTS.md` lists the runs behind the committed constants.)
@@ -33,7 +34,9 @@ chip; LMs of 1-3 layers, widths 256-2048; `fit-scan` the same LMs with scanned l
 `check` points are a fixed grid of the shapes users plan for (Llama-3-8B's heads at long
 shards; 2 layers of its widths and vocabulary, unrolled, and 4 and 8 scanned, under
 each remat policy), none of which the sample holds; `holdout` points a second such grid
-of Llama-3-70B's shapes, measured only once the model's terms were settled. Measurements
+of Llama-3-70B's shapes, measured only once the model's terms were settled; `blind`
+points a third (Qwen2-72B's widths, and Llama-3-70B's on 4 chips), measured once the
+terms chosen with the second grid in view were settled. Measurements
 accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
 compiled again), so runs can be interrupted and resumed.
 """
@@ -93,6 +96,7 @@ DEEP_TOKENS = [2048, 4096, 8192]
 # hold as many parameters as its three.
 LLAMA_8B = dict(heads=32, kv_heads=8, dim=4096, vocab_size=128256, hidden=21504)
 LLAMA_70B = dict(heads=64, kv_heads=8, dim=8192, vocab_size=128256, hidden=43008)
+QWEN2_72B = dict(heads=64, kv_heads=8, dim=8192, vocab_size=152064, hidden=44352)
 
 
 def log(message: str) -> None:
@@ -251,6 +255,34 @@ def holdout_grid(family: str) -> list[dict]:
     return out
 
 
+def blind_grid(family: str) -> list[dict]:
+    """A third held-out grid, measured once the `stacked` term (fitted after the second
+    grid had been seen) was settled: Qwen2-72B's widths (vocabulary 152064, its gated
+    MLP's 29568 as 44352 ungated) on 8 chips, 2 unrolled and 8 scanned layers, and
+    Llama-3-70B's on 4 chips, 4 scanned layers, under each remat policy; and Qwen2-72B's
+    attention on 8 chips."""
+    eight, four = (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
+        "h100:8", "h100:4")  # fmt: skip
+    common = dict(batch_devices=1, batch=1, mask="causal")
+    out = [
+        dict(common, kind="attention", target=eight, num_devices=8, seq_len=per_chip * 8,
+             heads=64, kv_heads=8, head_dim=128, dtype="bfloat16", remat="none")
+        for per_chip in (16384, 131072)
+    ]  # fmt: skip
+    for target, chips, model, layers, per_chip, scan in (
+        (eight, 8, QWEN2_72B, 2, 8192, False),
+        (eight, 8, QWEN2_72B, 8, 4096, True),
+        (four, 4, LLAMA_70B, 4, 4096, True),
+    ):
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                common, kind="lm", target=target, num_devices=chips,
+                seq_len=per_chip * chips, num_layers=layers, remat=remat,
+                **({"scan_layers": True} if scan else {}), **model,
+            ))  # fmt: skip
+    return out
+
+
 def make_plan(cfg: dict) -> rx.Plan:
     """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
@@ -329,6 +361,8 @@ def run_measure(args) -> None:
         ]
     elif args.measure == "holdout":
         sample = holdout_grid(args.family)
+    elif args.measure == "blind":
+        sample = blind_grid(args.family)
     else:
         sample = check_grid(args.family)
     for i, cfg in enumerate(sample):
@@ -476,7 +510,11 @@ def _table(family: str, split: str) -> str:
 def run_table(args) -> None:
     """The error tables of the held-out grids (Markdown), printed and written into
     docs/longest_context.md between the family's markers."""
-    for split, name in (("check", args.family), ("holdout", f"{args.family}, 70B")):
+    grids = (
+        ("check", args.family), ("holdout", f"{args.family}, 70B"),
+        ("blind", f"{args.family}, third grid"),
+    )  # fmt: skip
+    for split, name in grids:
         if not _rows(args.family, split):
             continue
         table = _table(args.family, split)
@@ -494,7 +532,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
         "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
-        "fit-long", "check", "holdout",
+        "fit-long", "check", "holdout", "blind",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)

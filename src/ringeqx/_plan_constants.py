@@ -212,56 +212,59 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "lm-attention": {
-            "const": 132.5267,
-            "embedding": 0.1794,
-            "head_weight": 0.7187,
-            "logits": 1.1283,
-            "mlp": 1.0294,
-            "sequence": 3.3583
+            "const": 105.6842,
+            "embedding": 0.1366,
+            "head_weight": 0.9731,
+            "logits": 1.2183,
+            "mlp": 0.7685,
+            "sequence": 3.4923,
+            "stacked": 0.3304
         },
         "lm-block": {
-            "const": 132.5267,
-            "head_weight": 3.4436,
-            "logits": 1.0477,
-            "sequence": 3.6482,
-            "weights": 0.0607
+            "const": 105.6842,
+            "head_weight": 3.4346,
+            "logits": 1.0556,
+            "sequence": 3.6603,
+            "weights": 0.0625
         },
         "lm-none": {
-            "const": 132.5267,
-            "layer": 1.1878,
-            "layer_weights": 0.2309,
-            "logits": 1.5447,
-            "mlp": 1.3085,
-            "sequence": 0.3991,
-            "stream": 5.76
+            "const": 105.6842,
+            "layer": 0.9157,
+            "logits": 1.5437,
+            "mlp": 1.4268,
+            "sequence": 0.975,
+            "stacked": 0.7308,
+            "stream": 4.1415
         },
         "lm-scan-attention": {
-            "const": 132.5267,
-            "head_weight": 1.1179,
-            "layer": 2.1917,
-            "layer_weights": 0.1262,
-            "logits": 1.2769,
-            "mlp": 2.0983,
-            "sequence": 0.524,
-            "stream": 5.0676,
-            "weights": 0.1543
+            "const": 105.6842,
+            "head_weight": 1.1145,
+            "layer": 2.2151,
+            "layer_weights": 0.1366,
+            "logits": 1.2842,
+            "mlp": 2.0748,
+            "sequence": 0.5304,
+            "stacked": 0.0887,
+            "stream": 5.1055,
+            "weights": 0.1446
         },
         "lm-scan-block": {
-            "const": 132.5267,
-            "layer": 2.347,
-            "logits": 0.9938,
-            "sequence": 1.1622,
-            "stream": 1.4907,
-            "weights": 0.3529
+            "const": 105.6842,
+            "layer": 1.2103,
+            "logits": 1.0048,
+            "sequence": 1.9999,
+            "stacked": 2.0917,
+            "stream": 1.2326,
+            "weights": 0.0203
         },
         "lm-scan-none": {
-            "const": 132.5267,
-            "head_weight": 0.2906,
-            "layer": 10.8081,
-            "logits": 1.8173,
-            "mlp": 5.8514,
-            "stream": 7.9567,
-            "weights": 0.1732
+            "const": 105.6842,
+            "head_weight": 1.5784,
+            "layer": 8.8373,
+            "logits": 2.0101,
+            "mlp": 5.6277,
+            "stacked": 2.8801,
+            "stream": 6.9247
         }
     }
 }
@@ -279,6 +282,6 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "tpu": {
         "attention": 0.23,
-        "lm": 0.3
+        "lm": 0.27
     }
 }
