@@ -25,6 +25,7 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
     python benchmarks/plan_target_grid.py --family tpu --measure holdout
     python benchmarks/plan_target_grid.py --family tpu --measure blind
+    python benchmarks/plan_target_grid.py --family tpu --measure fourth
     python benchmarks/plan_target_grid.py --family tpu --table      # the error tables
 
 (`benchmarks/RESULTS.md` lists the runs behind the committed constants.)
@@ -97,6 +98,8 @@ DEEP_TOKENS = [2048, 4096, 8192]
 LLAMA_8B = dict(heads=32, kv_heads=8, dim=4096, vocab_size=128256, hidden=21504)
 LLAMA_70B = dict(heads=64, kv_heads=8, dim=8192, vocab_size=128256, hidden=43008)
 QWEN2_72B = dict(heads=64, kv_heads=8, dim=8192, vocab_size=152064, hidden=44352)
+MISTRAL_LARGE_2 = dict(heads=96, kv_heads=8, dim=12288, vocab_size=32768, hidden=43008)
+WIDE_HEADS = dict(heads=16, kv_heads=8, dim=4096, vocab_size=256000, hidden=21504)
 
 
 def log(message: str) -> None:
@@ -283,6 +286,43 @@ def blind_grid(family: str) -> list[dict]:
     return out
 
 
+def fourth_grid(family: str) -> list[dict]:
+    """A fourth held-out grid, defined and measured once the TPU's `q32_long` term (chosen
+    after the third grid had been seen) was settled: attention of Llama-3-405B's heads
+    (128/8 of 128) on 8 chips, of 256-wide heads (16/8) and of 64-wide ones (24/4) on 4,
+    each side of the TPU's switch; Mistral-Large-2's LM widths (12288,
+    vocabulary 32768, its gated 28672 as 43008 ungated, 96/8 heads) on 8 chips, 2 unrolled
+    and 4 scanned layers; and a 256-wide-head LM with a 256000-word vocabulary (width
+    4096, 16/8 heads), 8 scanned layers on 4 chips; every LM under each remat policy."""
+    eight, four = (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
+        "h100:8", "h100:4")  # fmt: skip
+    common = dict(batch_devices=1, mask="causal")
+    out = []
+    for target, chips, batch, (heads, kv_heads, head_dim), lengths in (
+        (eight, 8, 1, (128, 8, 128), (12288, 40960)),
+        (four, 4, 1, (16, 8, 256), (20480, 28672)),
+        (four, 4, 1, (24, 4, 64), (10240, 20480)),
+    ):
+        out += [
+            dict(common, kind="attention", target=target, num_devices=chips, batch=batch,
+                 seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, dtype="bfloat16", remat="none")
+            for per_chip in lengths
+        ]  # fmt: skip
+    for target, chips, model, layers, per_chip, scan in (
+        (eight, 8, MISTRAL_LARGE_2, 2, 4096, False),
+        (eight, 8, MISTRAL_LARGE_2, 4, 4096, True),
+        (four, 4, WIDE_HEADS, 8, 8192, True),
+    ):
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                common, kind="lm", target=target, num_devices=chips, batch=1,
+                seq_len=per_chip * chips, num_layers=layers, remat=remat,
+                **({"scan_layers": True} if scan else {}), **model,
+            ))  # fmt: skip
+    return out
+
+
 def make_plan(cfg: dict) -> rx.Plan:
     """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
@@ -363,6 +403,8 @@ def run_measure(args) -> None:
         sample = holdout_grid(args.family)
     elif args.measure == "blind":
         sample = blind_grid(args.family)
+    elif args.measure == "fourth":
+        sample = fourth_grid(args.family)
     else:
         sample = check_grid(args.family)
     for i, cfg in enumerate(sample):
@@ -512,7 +554,7 @@ def run_table(args) -> None:
     docs/longest_context.md between the family's markers."""
     grids = (
         ("check", args.family), ("holdout", f"{args.family}, 70B"),
-        ("blind", f"{args.family}, third grid"),
+        ("blind", f"{args.family}, third grid"), ("fourth", f"{args.family}, fourth grid"),
     )  # fmt: skip
     for split, name in grids:
         if not _rows(args.family, split):
@@ -532,7 +574,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
         "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
-        "fit-long", "check", "holdout", "blind",
+        "fit-long", "check", "holdout", "blind", "fourth",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)

@@ -97,27 +97,37 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "p1-f16": {
-            "kv_rows_lanes": 4.0419,
-            "rows_lanes": 3.3142
+            "kv_rows_lanes": 4.0432,
+            "q32_long": 1.4489,
+            "rows_lanes": 2.5271,
+            "tile": 0.8494
         },
         "p1-f32": {
-            "kv_rows_lanes": 4.0958,
-            "rows_lanes": 3.688
+            "kv_rows_lanes": 3.5426,
+            "q32_long": 1.9694,
+            "rows_lanes": 3.049
         },
         "p2-f16": {
-            "const": 22.2515,
-            "in_flight": 0.2136,
-            "kv_rows_lanes": 4.3812,
-            "rows_lanes": 5.4694
+            "const": 43.0502,
+            "in_flight": 0.0173,
+            "kv_rows_lanes": 4.9469,
+            "q32_long": 0.6121,
+            "q32_zigzag": 0.0204,
+            "rows_lanes": 5.1459
         },
         "p2-f32": {
-            "const": 112.5969,
-            "rows_lanes": 6.9966
+            "const": 116.928,
+            "q32_long": 0.3642,
+            "rows_lanes": 6.7271
         },
         "pn-f16": {
-            "in_flight": 2.4915,
-            "residuals": 2.5411,
-            "rows_lanes": 3.7014
+            "const": 67.188,
+            "in_flight": 2.4998,
+            "q32_long": 4.4375,
+            "q32_zigzag": 0.0106,
+            "residuals": 1.2694,
+            "rows_lanes": 1.7638,
+            "tile": 6.7875
         },
         "pn-f32": {
             "residuals": 0.6833,
