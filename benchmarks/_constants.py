@@ -16,9 +16,10 @@ def write_constants(family: str) -> None:
     now: dict = {}
     exec(CONSTANTS.read_text(), now)
     tables = {}
-    for name in ("ATTENTION", "LM", "HEADROOM"):
-        tables[name] = dict(now[name])
-        tables[name][family] = getattr(_plan_model, name)[family]
+    for name in ("ATTENTION", "LM", "HEADROOM", "WIDTHS"):
+        tables[name] = dict(now.get(name, {}))
+        if family in getattr(_plan_model, name):
+            tables[name][family] = getattr(_plan_model, name)[family]
 
     def table(name: str, kind: str) -> str:
         return f"{name}: {kind} = " + json.dumps(tables[name], indent=4, sort_keys=True)
@@ -35,6 +36,10 @@ def write_constants(family: str) -> None:
         "# Per family, the largest under-prediction seen in calibration, rounded up with 2%",
         "# to spare: the planner keeps this fraction of the budget free.",
         table("HEADROOM", "dict[str, dict[str, float]]"),
+        "",
+        "# Per accelerator family, the widest LM (`dim`, MLP `hidden`) its fit held: the",
+        "# analytic planner refuses wider ones rather than extrapolate.",
+        table("WIDTHS", "dict[str, dict[str, int]]"),
         "",
     ]
     CONSTANTS.write_text("\n".join(text))

@@ -185,6 +185,38 @@ def test_uncalibrated_regime_is_refused_not_guessed(monkeypatch):
         rx.plan(16384, 4, device="h100", **lm)
 
 
+def test_lm_wider_than_the_fit_is_refused_not_extrapolated():
+    # On accelerators the LM terms were fitted on widths up to 8192 (MLPs up to 45056);
+    # 12288-wide steps compiled to up to 29% more than the terms say (an H100's headroom
+    # is 26%), so the analytic planner refuses them and names the argument and the limit.
+    from ringeqx._plan_constants import WIDTHS
+
+    assert WIDTHS["tpu"]["dim"] == WIDTHS["gpu"]["dim"] == 8192
+    lm = dict(heads=64, kv_heads=8, num_layers=2, vocab_size=32768)
+    assert rx.plan(8192, 8, device="h100", dim=8192, hidden=43008, **lm).memory.total > 0
+    lm["heads"] = 96  # Mistral-Large-2's: heads of 128
+    for device in ("h100", "tpu-v5p"):
+        with pytest.raises(ValueError, match=r"`dim`=12288 is wider .*at most 8192.*target="):
+            rx.plan(8192, 8, device=device, dim=12288, hidden=43008, **lm)
+    with pytest.raises(ValueError, match=r"`hidden`=57344 is wider .*at most 45056"):
+        rx.plan(8192, 8, device="tpu-v5p", dim=8192, hidden=57344, heads=64, num_layers=2,
+                kv_heads=8, vocab_size=32768)  # fmt: skip
+    # The CPU's model has no such bound (its own fit, `plan_grid.py`).
+    assert "cpu" not in WIDTHS
+
+
+def test_head_dim_the_platform_kernel_lacks_is_a_clear_error():
+    # 12288 / 64 heads = 192: neither Pallas kernel takes it (the GPU's once failed
+    # with a KeyError from its tuned table instead).
+    lm = dict(heads=64, kv_heads=8, dim=12288, num_layers=2, vocab_size=32768)
+    for device, expected in (("h100", "a power of two from 16 to 256"),
+                             ("tpu-v5p", "64 or a multiple of 128")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"`head_dim`=192 .* expected {expected}"):
+            rx.plan(8192, 8, device=device, **lm)
+    with pytest.raises(ValueError, match=r"`head_dim`=96 .*PallasTpuKernel"):
+        rx.plan(65536, 8, device="tpu-v5p", heads=8, kv_heads=2, head_dim=96)
+
+
 def test_cli_plan_table_and_json(capsys):
     args = [
         "plan",

@@ -105,10 +105,17 @@ class PlanOverlap(NamedTuple):
 def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
     """The forward tiles of the Pallas kernel an accelerator's mesh picks (its defaults
     on a TPU, its tuned table on a GPU, for the problem's dtype and head_dim)."""
-    if cfg.device.startswith("tpu"):
-        kernel = PallasTpuKernel()
+    kernel = PallasTpuKernel() if cfg.device.startswith("tpu") else PallasGpuKernel()
+    expected = kernel.head_dims(cfg.head_dim)
+    if expected is not None:
+        raise ValueError(
+            f"`head_dim`={cfg.head_dim} (an LM's `dim` / `heads`) is not a width "
+            f"{type(kernel).__name__}, the kernel of {cfg.device!r} devices, takes: "
+            f"expected {expected}."
+        )
+    if isinstance(kernel, PallasTpuKernel):
         return kernel.block_q, kernel.block_kv
-    return PallasGpuKernel().launch("forward", cfg.dtype, cfg.head_dim)[:2]
+    return kernel.launch("forward", cfg.dtype, cfg.head_dim)[:2]
 
 
 def _tiles(cfg: "Problem") -> tuple[int, ...]:

@@ -97,37 +97,27 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
     },
     "tpu": {
         "p1-f16": {
-            "kv_rows_lanes": 4.0432,
-            "q32_long": 1.4489,
-            "rows_lanes": 2.5271,
-            "tile": 0.8494
+            "kv_rows_lanes": 4.0419,
+            "rows_lanes": 3.3142
         },
         "p1-f32": {
-            "kv_rows_lanes": 3.5426,
-            "q32_long": 1.9694,
-            "rows_lanes": 3.049
+            "kv_rows_lanes": 4.0958,
+            "rows_lanes": 3.688
         },
         "p2-f16": {
-            "const": 43.0502,
-            "in_flight": 0.0173,
-            "kv_rows_lanes": 4.9469,
-            "q32_long": 0.6121,
-            "q32_zigzag": 0.0204,
-            "rows_lanes": 5.1459
+            "const": 22.2515,
+            "in_flight": 0.2136,
+            "kv_rows_lanes": 4.3812,
+            "rows_lanes": 5.4694
         },
         "p2-f32": {
-            "const": 116.928,
-            "q32_long": 0.3642,
-            "rows_lanes": 6.7271
+            "const": 112.5969,
+            "rows_lanes": 6.9966
         },
         "pn-f16": {
-            "const": 67.188,
-            "in_flight": 2.4998,
-            "q32_long": 4.4375,
-            "q32_zigzag": 0.0106,
-            "residuals": 1.2694,
-            "rows_lanes": 1.7638,
-            "tile": 6.7875
+            "in_flight": 2.4915,
+            "residuals": 2.5411,
+            "rows_lanes": 3.7014
         },
         "pn-f32": {
             "residuals": 0.6833,
@@ -148,76 +138,76 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "gpu": {
         "lm-attention": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "layer_weights": 0.8324,
-            "logits": 1.6952,
-            "mlp": 1.4271,
-            "sequence": 1.3561,
-            "stream": 2.3381
+            "attention": 0.7594,
+            "const": 49.8042,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "layer_weights": 0.731,
+            "logits": 1.692,
+            "mlp": 1.4877,
+            "sequence": 1.3172,
+            "stream": 2.1314,
+            "weights": 0.0668
         },
         "lm-block": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "layer_weights": 0.4817,
-            "logits": 1.2977,
-            "mlp": 1.0779,
-            "sequence": 2.4837,
-            "stream": 4.9107
+            "attention": 0.7594,
+            "const": 49.8042,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "layer_weights": 0.5341,
+            "logits": 1.3281,
+            "mlp": 1.2973,
+            "sequence": 2.1368,
+            "stream": 4.2727
         },
         "lm-none": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "embedding": 0.0476,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "logits": 1.8754,
-            "mlp": 2.5765,
-            "sequence": 1.2886,
-            "stream": 9.2382
+            "attention": 0.7594,
+            "const": 49.8042,
+            "embedding": 0.0808,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "logits": 1.795,
+            "mlp": 2.4803,
+            "sequence": 1.6862,
+            "stream": 9.4115
         },
         "lm-scan-attention": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "layer": 1.6189,
-            "layer_weights": 0.0681,
-            "logits": 1.6734,
-            "mlp": 0.7677,
-            "sequence": 0.3651,
-            "stream": 4.9685,
-            "weights": 0.1075
+            "attention": 0.7594,
+            "const": 49.8042,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "layer": 1.755,
+            "layer_weights": 0.0389,
+            "logits": 1.6828,
+            "mlp": 0.7678,
+            "sequence": 0.1962,
+            "stream": 4.9819,
+            "weights": 0.1121
         },
         "lm-scan-block": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "layer": 0.0948,
-            "layer_weights": 0.634,
-            "logits": 1.7984,
-            "mlp": 0.1405,
-            "sequence": 0.6754,
-            "stream": 1.0244,
-            "weights": 0.0701
+            "attention": 0.7594,
+            "const": 49.8042,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "layer_weights": 1.0059,
+            "logits": 1.7757,
+            "mlp": 0.1183,
+            "sequence": 0.6431,
+            "stream": 1.2674,
+            "weights": 0.0246
         },
         "lm-scan-none": {
-            "attention": 0.5998,
-            "const": 55.2674,
-            "embedding": 0.173,
-            "gradients": 0.2425,
-            "in_flight": 2.2958,
-            "layer": 0.2101,
-            "logits": 1.6621,
-            "mlp": 6.3901,
-            "sequence": 0.1176,
-            "stream": 11.2825,
-            "weights": 0.3401
+            "attention": 0.7594,
+            "const": 49.8042,
+            "embedding": 0.194,
+            "gradients": 0.2159,
+            "in_flight": 1.5425,
+            "layer": 0.3275,
+            "logits": 1.6542,
+            "mlp": 6.4531,
+            "sequence": 0.0983,
+            "stream": 10.9969,
+            "weights": 0.2976
         }
     },
     "tpu": {
@@ -288,10 +278,23 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "gpu": {
         "attention": 0.07,
-        "lm": 0.22
+        "lm": 0.26
     },
     "tpu": {
         "attention": 0.23,
         "lm": 0.27
+    }
+}
+
+# Per accelerator family, the widest LM (`dim`, MLP `hidden`) its fit held: the
+# analytic planner refuses wider ones rather than extrapolate.
+WIDTHS: dict[str, dict[str, int]] = {
+    "gpu": {
+        "dim": 8192,
+        "hidden": 45056
+    },
+    "tpu": {
+        "dim": 8192,
+        "hidden": 45056
     }
 }

@@ -24,7 +24,7 @@ import math
 
 import equinox as eqx
 
-from ._plan_constants import ATTENTION, HEADROOM, LM
+from ._plan_constants import ATTENTION, HEADROOM, LM, WIDTHS
 
 
 class MemoryBreakdown(eqx.Module):
@@ -83,7 +83,6 @@ ATTENTION_TERMS = {
     "q32_tiled": "attention",
     "kv32_tiled": "attention",
     "q32_zigzag": "attention",
-    "q32_long": "attention",
     "rows_lanes": "attention",
     "kv_rows_lanes": "attention",
     "const": "attention",
@@ -168,16 +167,6 @@ def attention_features(s: Shapes) -> dict[str, float]:
         # buffer assignment: s32[b, kv_heads, n, 128]); without it a 1-chip ring's
         # kv-heavy heads (8/8 x 64) were under-predicted by up to 29%.
         out["kv_rows_lanes"] = 4.0 * s.batch * s.capacity * s.kv_heads * 128
-        # Past a shard length libtpu holds about three float32 q-sized buffers more
-        # (bfloat16 inputs; under one for float32), whatever the heads, the ring and the
-        # batch: compiled on v5p with 512 x 1024 tiles, temp / q32 is 9.4 up to 22,528
-        # tokens a chip and 12.9 from 23,552 on (32/8 heads of 128; 16/4: 9.7 and 12.9;
-        # 64/8: 7.5 and 10.5), and the switch is at the same length for head_dim 256 and
-        # half of it (11,264 .. 12,288) for 64: where a head's rows across 128 lanes
-        # (twice that at 64) pass 11 MiB. Without it the fit's shards of 8K-16K tokens
-        # are over-predicted by up to 23% and its longer ones under by 6-7%.
-        lanes = max(128, 16384 // s.head_dim)
-        out["q32_long"] = 4.0 * q * (4 * s.batch * s.capacity * lanes > 11 * _MIB)
     return out
 
 
@@ -327,9 +316,21 @@ def _counts(table: dict, family_name: str, regime: str) -> dict[str, float]:
 def uncalibrated(shapes: "Shapes | LMShapes") -> str | None:
     """Why the model cannot predict `shapes`: its regime (or its attention's) was never
     calibrated for its family, so no counts would predict the arguments and outputs
-    alone (a 1-chip ring on a TPU predicted so was 2.7x under its compiled bytes);
+    alone (a 1-chip ring on a TPU predicted so was 2.7x under its compiled bytes); or,
+    on accelerators, the LM is wider (model or MLP) than any the family's fit held;
     None where it can."""
     attention = shapes.attention if isinstance(shapes, LMShapes) else shapes
+    if isinstance(shapes, LMShapes):
+        widest = WIDTHS.get(attention.family, {})
+        for name in ("dim", "hidden"):
+            value = getattr(shapes, name)
+            if value > widest.get(name, value):
+                return (
+                    f"`{name}`={value} is wider than any LM the memory model was calibrated "
+                    f"on for {attention.family!r} devices (at most {widest[name]}), and "
+                    "its terms do not extrapolate (12288-wide steps compiled to up to 29% "
+                    "more than they predict)"
+                )
     checks = [(ATTENTION, attention.family, attention_regime(attention))]
     if isinstance(shapes, LMShapes):
         checks.append((LM, attention.family, lm_regime(shapes)))

@@ -80,6 +80,9 @@ def _head_dim_ok(d: int) -> bool:
     return _power_of_two(d) and 16 <= d <= 256
 
 
+_HEAD_DIMS = "a power of two from 16 to 256"
+
+
 def _block(block: int, length: int) -> int:
     """The tile actually used: `block`, or the smallest power of two (>= 16, Triton's
     smallest matmul) covering a shorter sequence."""
@@ -487,6 +490,11 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     f"tiles); got {value!r}."
                 )
 
+    def head_dims(self, head_dim: int) -> str | None:
+        """None where the kernel takes heads `head_dim` wide, else what it takes
+        (a power of two from 16 to 256): for a planner to refuse a head width before it plans."""
+        return None if _head_dim_ok(head_dim) else _HEAD_DIMS
+
     def devices(self) -> frozenset[str]:
         return frozenset({"cpu", "gpu", "tpu"} if self.interpret else {"gpu"})
 
@@ -499,7 +507,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
             v,
             _DTYPES,
             _head_dim_ok,
-            "a power of two from 16 to 256",
+            _HEAD_DIMS,
         )
         if self.interpret:
             return q

@@ -28,6 +28,9 @@ def _head_dim_ok(d: int) -> bool:
     return d == 64 or (d > 0 and d % _LANES == 0)
 
 
+_HEAD_DIMS = "64 or a multiple of 128"
+
+
 def kv_index_map(groups: int, num_q: int, num_kv: int):
     """Index map of K, V and key records in the forward and dQ grids `(batch, head,
     query tile, key tile)`: key tile `j`, or for a skipped tile the block already
@@ -546,13 +549,18 @@ class PallasTpuKernel(AbstractAttentionKernel):
                     f"{multiple} (TPU vreg tiles); got {value!r}."
                 )
 
+    def head_dims(self, head_dim: int) -> str | None:
+        """None where the kernel takes heads `head_dim` wide, else what it takes
+        (64 or a multiple of 128): for a planner to refuse a head width before it plans."""
+        return None if _head_dim_ok(head_dim) else _HEAD_DIMS
+
     def devices(self) -> frozenset[str]:
         return frozenset({"cpu", "gpu", "tpu"} if self.interpret else {"tpu"})
 
     def _check(self, q, k, v, mask, score_mod) -> Array:
         """Trace-time checks; returns `q` behind the lowering-time platform check."""
         tiles.check_inputs(
-            "PallasTpuKernel", q, k, v, _DTYPES, _head_dim_ok, "64 or a multiple of 128"
+            "PallasTpuKernel", q, k, v, _DTYPES, _head_dim_ok, _HEAD_DIMS
         )
         if self.interpret:
             return q
