@@ -37,9 +37,10 @@ shards; 2 layers of its widths and vocabulary, unrolled, and 4 and 8 scanned, un
 each remat policy), none of which the sample holds; `holdout` points a second such grid
 of Llama-3-70B's shapes, measured only once the model's terms were settled; `blind`
 points a third (Qwen2-72B's widths, and Llama-3-70B's on 4 chips), measured once the
-terms chosen with the second grid in view were settled. Measurements
-accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
-compiled again), so runs can be interrupted and resumed.
+terms chosen with the second grid in view were settled; `fourth` points a fourth,
+defined before it was compiled (see `fourth_grid`). Measurements accumulate in
+`benchmarks/plan_calibration_{family}.json` (a point already measured is not compiled
+again), so runs can be interrupted and resumed.
 """
 
 import argparse
@@ -288,12 +289,13 @@ def blind_grid(family: str) -> list[dict]:
 
 def fourth_grid(family: str) -> list[dict]:
     """A fourth held-out grid, defined and measured once the TPU's `q32_long` term (chosen
-    after the third grid had been seen) was settled: attention of Llama-3-405B's heads
-    (128/8 of 128) on 8 chips, of 256-wide heads (16/8) and of 64-wide ones (24/4) on 4,
-    each side of the TPU's switch; Mistral-Large-2's LM widths (12288,
-    vocabulary 32768, its gated 28672 as 43008 ungated, 96/8 heads) on 8 chips, 2 unrolled
-    and 4 scanned layers; and a 256-wide-head LM with a 256000-word vocabulary (width
-    4096, 16/8 heads), 8 scanned layers on 4 chips; every LM under each remat policy."""
+    after the third grid had been seen; taken out again on this grid's answer) was
+    settled: attention of Llama-3-405B's heads (128/8 of 128) on 8 chips, of 256-wide
+    heads (16/8) and of 64-wide ones (24/4) on 4, each side of libtpu's shard-length
+    switch; Mistral-Large-2's LM widths (12288, vocabulary 32768, its gated 28672 as 43008
+    ungated, 96/8 heads) on 8 chips, 2 unrolled and 4 scanned layers; and a 256-wide-head
+    LM with a 256000-word vocabulary (width 4096, 16/8 heads), 8 scanned layers on 4
+    chips; every LM under each remat policy."""
     eight, four = (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
         "h100:8", "h100:4")  # fmt: skip
     common = dict(batch_devices=1, mask="causal")

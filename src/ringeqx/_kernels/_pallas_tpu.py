@@ -551,7 +551,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
 
     def head_dims(self, head_dim: int) -> str | None:
         """None where the kernel takes heads `head_dim` wide, else what it takes
-        (64 or a multiple of 128): for a planner to refuse a head width before it plans."""
+        (64 or a multiple of 128), for a planner to refuse before it plans."""
         return None if _head_dim_ok(head_dim) else _HEAD_DIMS
 
     def devices(self) -> frozenset[str]:
