@@ -108,10 +108,10 @@ def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
     kernel = PallasTpuKernel() if cfg.device.startswith("tpu") else PallasGpuKernel()
     expected = kernel.head_dims(cfg.head_dim)
     if expected is not None:
+        lm = " (the LM's `dim` / `heads`)" if cfg.kind == "lm" else ""
         raise ValueError(
-            f"`head_dim`={cfg.head_dim} (an LM's `dim` / `heads`) is not a width "
-            f"{type(kernel).__name__}, the kernel of {cfg.device!r} devices, takes: "
-            f"expected {expected}."
+            f"`head_dim`={cfg.head_dim}{lm} is not a width {type(kernel).__name__}, the "
+            f"kernel of {cfg.device!r} devices, takes: expected {expected}."
         )
     if isinstance(kernel, PallasTpuKernel):
         return kernel.block_q, kernel.block_kv
