@@ -210,6 +210,27 @@ def vocab_sample(rng: random.Random, family: str, scan: bool) -> dict:
     return dict(cfg, vocab_size=vocab, dim=dim, heads=h, kv_heads=kh, hidden=hidden)
 
 
+ONE_CHIP = {"tpu": ("v5e:1x1", "v5p:1x1x1"), "gpu": ("h100:1",)}
+
+
+def chip_sample(rng: random.Random, family: str, i: int) -> dict:
+    """An LM step on a single chip (`fit-chip`): every remat policy in turn, unrolled and
+    scanned in turn, widths up to 5120. With no ring the compilers hold what a ring of
+    chips would not (a v5e's LM step under remat "attention" at 36K tokens compiled to
+    more than 1.28x what the ring-fitted counts said), so one chip is a regime of its
+    own."""
+    scan = (i // 3) % 2 == 1
+    vocab, dim, h, kh = rng.choice(MODELS + DEEP_MODELS)
+    per_chip = rng.choice([4096, 8192, 16384, 32768])
+    return dict(
+        kind="lm", target=rng.choice(ONE_CHIP[family]), seq_len=per_chip, num_devices=1,
+        batch_devices=1, batch=1, heads=h, kv_heads=kh, dim=dim,
+        num_layers=rng.choice([2, 4, 8] if scan else [1, 2, 3]), vocab_size=vocab,
+        hidden=rng.choice([3, 4]) * dim, mask=rng.choice(["causal", "documents", "window"]),
+        remat=("none", "attention", "block")[i % 3], scan_layers=scan,
+    )  # fmt: skip
+
+
 def check_grid(family: str) -> list[dict]:
     """The held-out grid: Llama-3-8B's attention at long shards, and 2 layers of its LM
     under each remat policy, on the family's 8-chip target."""
@@ -325,6 +346,30 @@ def fourth_grid(family: str) -> list[dict]:
     return out
 
 
+# The 0.3B-parameter LM `benchmarks/plan_on_chip.py` runs on a real v5e chip.
+CHIP_LM = dict(heads=16, kv_heads=8, dim=2048, vocab_size=32000, hidden=5632)
+
+
+def chip_grid(family: str) -> list[dict]:
+    """A held-out grid of single-chip LM steps, defined before it was compiled (once the
+    `-p1` regimes were fitted): `plan_on_chip.py`'s 0.3B LM, 4 unrolled layers at 8K and
+    24K tokens, on a v5e (an H100 for the GPU), and 2 unrolled layers of Llama-3-8B's
+    widths at 8K on a v5p chip (an H100), under each remat policy."""
+    small, large = ("v5e:1x1", "v5p:1x1x1") if family == "tpu" else ("h100:1", "h100:1")
+    out = []
+    for target, model, layers, lengths in (
+        (small, CHIP_LM, 4, (8192, 24576)), (large, LLAMA_8B, 2, (8192,)),
+    ):
+        for seq_len in lengths:
+            for remat in ("none", "attention", "block"):
+                out.append(dict(
+                    kind="lm", target=target, seq_len=seq_len, num_devices=1,
+                    batch_devices=1, batch=1, num_layers=layers, mask="causal",
+                    remat=remat, **model,
+                ))  # fmt: skip
+    return out
+
+
 def make_plan(cfg: dict) -> rx.Plan:
     """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
@@ -401,6 +446,11 @@ def run_measure(args) -> None:
         sample = [
             lm_sample(rng, args.family, scan=i % 2 == 1, ring=True) for i in range(args.points)
         ]
+    elif args.measure == "fit-chip":  # LMs on one chip
+        rng = random.Random(args.seed + 8)
+        sample = [chip_sample(rng, args.family, i) for i in range(args.points)]
+    elif args.measure == "chip":
+        sample = chip_grid(args.family)
     elif args.measure == "holdout":
         sample = holdout_grid(args.family)
     elif args.measure == "blind":
@@ -568,6 +618,7 @@ def run_table(args) -> None:
     grids = (
         ("check", args.family), ("holdout", f"{args.family}, 70B"),
         ("blind", f"{args.family}, third grid"), ("fourth", f"{args.family}, fourth grid"),
+        ("chip", f"{args.family}, one chip"),
     )  # fmt: skip
     for split, name in grids:
         if not _rows(args.family, split):
@@ -587,7 +638,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
         "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
-        "fit-long", "check", "holdout", "blind", "fourth",
+        "fit-long", "fit-chip", "check", "holdout", "blind", "fourth", "chip",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
