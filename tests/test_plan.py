@@ -187,7 +187,7 @@ def test_uncalibrated_regime_is_refused_not_guessed(monkeypatch):
 
 def test_lm_wider_than_the_fit_is_refused_not_extrapolated():
     # On accelerators the LM terms were fitted on widths up to 8192 (MLPs up to 45056);
-    # 12288-wide steps compiled to up to 29% more than the terms say (an H100's headroom
+    # 12288-wide steps compiled to up to 30% more than the terms say (an H100's headroom
     # is 26%), so the analytic planner refuses them and names the argument and the limit.
     from ringeqx._plan_constants import WIDTHS
 

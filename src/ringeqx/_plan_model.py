@@ -301,10 +301,13 @@ def lm_io(s: LMShapes) -> tuple[int, int, int]:
 def lm_regime(s: LMShapes) -> str:
     """The calibration regime: on the CPU one for every remat policy, since XLA's CPU
     compiler gives the three the same bytes (within 2%, see docs/memory.md), calibrated
-    on unrolled layers; on accelerators one for each policy, unrolled or scanned."""
+    on unrolled layers; on accelerators one for each policy, unrolled or scanned, and on
+    a single chip each of those again (`-p1`): with no ring the compilers keep other
+    buffers (a v5e's step under remat "attention" at 36K tokens compiled to more than
+    1.28x what counts fitted on rings of 4 and 8 chips said)."""
     if s.attention.family == "cpu":
         return "lm"
-    return f"lm-{'scan-' if s.scan else ''}{s.remat}"
+    return f"lm-{'scan-' if s.scan else ''}{s.remat}{'-p1' if s.chips == 1 else ''}"
 
 
 def _counts(table: dict, family_name: str, regime: str) -> dict[str, float]:
@@ -328,7 +331,7 @@ def uncalibrated(shapes: "Shapes | LMShapes") -> str | None:
                 return (
                     f"`{name}`={value} is wider than any LM the memory model was calibrated "
                     f"on for {attention.family!r} devices (at most {widest[name]}), and "
-                    "its terms do not extrapolate (12288-wide steps compiled to up to 29% "
+                    "its terms do not extrapolate (12288-wide steps compiled to up to 30% "
                     "more than they predict)"
                 )
     checks = [(ATTENTION, attention.family, attention_regime(attention))]
