@@ -217,6 +217,24 @@ def test_head_dim_the_platform_kernel_lacks_is_a_clear_error():
         rx.plan(65536, 8, device="tpu-v5p", heads=8, kv_heads=2, head_dim=96)
 
 
+def test_one_chip_lm_is_its_own_regime():
+    # With no ring the compilers keep other buffers: the counts fitted on rings of 4 and
+    # 8 chips put one v5e's longest LM context under remat "attention" at 36,864 tokens,
+    # which libtpu refused (15.91G of temporaries on a 15.75G chip). One chip has its own
+    # counts (`-p1`), and the analytic longest contexts compile inside the budget
+    # (benchmarks/RESULTS.md).
+    from ringeqx._plan import plan_problem
+    from ringeqx._plan_model import lm_regime
+
+    lm = dict(heads=16, kv_heads=8, dim=2048, num_layers=4, vocab_size=32000, hidden=5632)
+    one = rx.plan(26624, 1, device="tpu-v5e", remat="attention", **lm)
+    ring = rx.plan(4 * 26624, 4, device="tpu-v5e", remat="attention", **lm)
+    assert lm_regime(plan_problem(one)) == "lm-attention-p1"
+    assert lm_regime(plan_problem(ring)) == "lm-attention"
+    with pytest.raises(ValueError, match=r"Nothing fits .* seq_len=36864 on num_devices=1"):
+        rx.plan(36864, 1, device="tpu-v5e", remat="attention", **lm)
+
+
 def test_cli_plan_table_and_json(capsys):
     args = [
         "plan",
@@ -342,7 +360,10 @@ def test_accelerator_profiles_plan_their_compilers_program():
     for family, device in (("tpu", "tpu-v5p"), ("gpu", "h100")):
         rings = ("p1", "p2", "pn")
         assert {f"{p}-{w}" for p in rings for w in ("f16", "f32")} <= set(ATTENTION[family])
-        assert set(LM[family]) == {f"lm-{s}{r}" for s in ("", "scan-") for r in remats}
+        # Each remat policy, unrolled or scanned, on a ring of chips and on one chip.
+        assert set(LM[family]) == {
+            f"lm-{s}{r}{c}" for s in ("", "scan-") for r in remats for c in ("", "-p1")
+        }
         assert 0 < HEADROOM[family]["lm"] < 0.5
         assert headroom("lm", device) == HEADROOM[family]["lm"]
     kw = dict(heads=8, kv_heads=2, dim=512, num_layers=2, vocab_size=4096, batch=2)
