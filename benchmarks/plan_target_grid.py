@@ -231,10 +231,30 @@ def chip_sample(rng: random.Random, family: str, i: int) -> dict:
     )  # fmt: skip
 
 
+def _eight_and_four(family: str) -> tuple[str, str]:
+    """The family's 8-chip and 4-chip targets."""
+    return (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
+        "h100:8", "h100:4")  # fmt: skip
+
+
+def _lm_steps(rows) -> list[dict]:
+    """Causal LM steps on a ring of every chip, one per `(target, chips, model, layers,
+    tokens a chip, scanned)` row and remat policy."""
+    out = []
+    for target, chips, model, layers, per_chip, scan in rows:
+        for remat in ("none", "attention", "block"):
+            out.append(dict(
+                kind="lm", target=target, num_devices=chips, batch_devices=1, batch=1,
+                seq_len=per_chip * chips, num_layers=layers, mask="causal", remat=remat,
+                **({"scan_layers": True} if scan else {}), **model,
+            ))  # fmt: skip
+    return out
+
+
 def check_grid(family: str) -> list[dict]:
     """The held-out grid: Llama-3-8B's attention at long shards, and 2 layers of its LM
     under each remat policy, on the family's 8-chip target."""
-    target = TARGETS[family][-1] if family == "tpu" else "h100:8"
+    target = _eight_and_four(family)[0]
     out = []
     for per_chip in (49152, 98304, 196608):
         for mask in ("causal", "documents"):
@@ -243,41 +263,28 @@ def check_grid(family: str) -> list[dict]:
                 batch_devices=1, batch=1, heads=32, kv_heads=8, head_dim=128,
                 dtype="bfloat16", mask=mask, remat="none",
             ))  # fmt: skip
-    for per_chip in (4096, 12288):
-        for remat in ("none", "attention", "block"):
-            out.append(dict(
-                kind="lm", target=target, seq_len=per_chip * 8, num_devices=8,
-                batch_devices=1, batch=1, num_layers=2, mask="causal", remat=remat,
-                **LLAMA_8B,
-            ))  # fmt: skip
-    for per_chip, layers in ((8192, 8), (16384, 4)):
-        for remat in ("none", "attention", "block"):
-            out.append(dict(
-                kind="lm", target=target, seq_len=per_chip * 8, num_devices=8,
-                batch_devices=1, batch=1, num_layers=layers, mask="causal", remat=remat,
-                scan_layers=True, **LLAMA_8B,
-            ))  # fmt: skip
-    return out
+    return out + _lm_steps([
+        (target, 8, LLAMA_8B, 2, 4096, False),
+        (target, 8, LLAMA_8B, 2, 12288, False),
+        (target, 8, LLAMA_8B, 8, 8192, True),
+        (target, 8, LLAMA_8B, 4, 16384, True),
+    ])  # fmt: skip
 
 
 def holdout_grid(family: str) -> list[dict]:
     """A second held-out grid, measured after the model's terms were settled on the
     first: Llama-3-70B's attention, 2 unrolled layers of its LM and 4 scanned, under each
     remat policy, on the family's 8-chip target."""
-    target = TARGETS[family][-1] if family == "tpu" else "h100:8"
+    target = _eight_and_four(family)[0]
     common = dict(target=target, num_devices=8, batch_devices=1, batch=1, mask="causal")
     out = [
         dict(common, kind="attention", seq_len=per_chip * 8, heads=64, kv_heads=8,
              head_dim=128, dtype="bfloat16", remat="none")
         for per_chip in (32768, 65536)
     ]  # fmt: skip
-    for layers, per_chip, scan in ((2, 4096, False), (4, 8192, True)):
-        for remat in ("none", "attention", "block"):
-            out.append(dict(
-                common, kind="lm", seq_len=per_chip * 8, num_layers=layers, remat=remat,
-                **({"scan_layers": True} if scan else {}), **LLAMA_70B,
-            ))  # fmt: skip
-    return out
+    return out + _lm_steps([
+        (target, 8, LLAMA_70B, 2, 4096, False), (target, 8, LLAMA_70B, 4, 8192, True),
+    ])  # fmt: skip
 
 
 def blind_grid(family: str) -> list[dict]:
@@ -286,26 +293,18 @@ def blind_grid(family: str) -> list[dict]:
     MLP's 29568 as 44352 ungated) on 8 chips, 2 unrolled and 8 scanned layers, and
     Llama-3-70B's on 4 chips, 4 scanned layers, under each remat policy; and Qwen2-72B's
     attention on 8 chips."""
-    eight, four = (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
-        "h100:8", "h100:4")  # fmt: skip
-    common = dict(batch_devices=1, batch=1, mask="causal")
+    eight, four = _eight_and_four(family)
     out = [
-        dict(common, kind="attention", target=eight, num_devices=8, seq_len=per_chip * 8,
-             heads=64, kv_heads=8, head_dim=128, dtype="bfloat16", remat="none")
+        dict(kind="attention", target=eight, num_devices=8, batch_devices=1, batch=1,
+             seq_len=per_chip * 8, heads=64, kv_heads=8, head_dim=128, dtype="bfloat16",
+             mask="causal", remat="none")
         for per_chip in (16384, 131072)
     ]  # fmt: skip
-    for target, chips, model, layers, per_chip, scan in (
+    return out + _lm_steps([
         (eight, 8, QWEN2_72B, 2, 8192, False),
         (eight, 8, QWEN2_72B, 8, 4096, True),
         (four, 4, LLAMA_70B, 4, 4096, True),
-    ):
-        for remat in ("none", "attention", "block"):
-            out.append(dict(
-                common, kind="lm", target=target, num_devices=chips,
-                seq_len=per_chip * chips, num_layers=layers, remat=remat,
-                **({"scan_layers": True} if scan else {}), **model,
-            ))  # fmt: skip
-    return out
+    ])  # fmt: skip
 
 
 def fourth_grid(family: str) -> list[dict]:
@@ -317,33 +316,24 @@ def fourth_grid(family: str) -> list[dict]:
     ungated, 96/8 heads) on 8 chips, 2 unrolled and 4 scanned layers; and a 256-wide-head
     LM with a 256000-word vocabulary (width 4096, 16/8 heads), 8 scanned layers on 4
     chips; every LM under each remat policy."""
-    eight, four = (TARGETS[family][-1], TARGETS[family][0]) if family == "tpu" else (
-        "h100:8", "h100:4")  # fmt: skip
-    common = dict(batch_devices=1, mask="causal")
+    eight, four = _eight_and_four(family)
     out = []
-    for target, chips, batch, (heads, kv_heads, head_dim), lengths in (
-        (eight, 8, 1, (128, 8, 128), (12288, 40960)),
-        (four, 4, 1, (16, 8, 256), (20480, 28672)),
-        (four, 4, 1, (24, 4, 64), (10240, 20480)),
+    for target, chips, (heads, kv_heads, head_dim), lengths in (
+        (eight, 8, (128, 8, 128), (12288, 40960)),
+        (four, 4, (16, 8, 256), (20480, 28672)),
+        (four, 4, (24, 4, 64), (10240, 20480)),
     ):
         out += [
-            dict(common, kind="attention", target=target, num_devices=chips, batch=batch,
-                 seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
-                 head_dim=head_dim, dtype="bfloat16", remat="none")
+            dict(kind="attention", target=target, num_devices=chips, batch_devices=1,
+                 batch=1, seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, dtype="bfloat16", mask="causal", remat="none")
             for per_chip in lengths
         ]  # fmt: skip
-    for target, chips, model, layers, per_chip, scan in (
+    return out + _lm_steps([
         (eight, 8, MISTRAL_LARGE_2, 2, 4096, False),
         (eight, 8, MISTRAL_LARGE_2, 4, 4096, True),
         (four, 4, WIDE_HEADS, 8, 8192, True),
-    ):
-        for remat in ("none", "attention", "block"):
-            out.append(dict(
-                common, kind="lm", target=target, num_devices=chips, batch=1,
-                seq_len=per_chip * chips, num_layers=layers, remat=remat,
-                **({"scan_layers": True} if scan else {}), **model,
-            ))  # fmt: skip
-    return out
+    ])  # fmt: skip
 
 
 # The 0.3B-parameter LM `benchmarks/plan_on_chip.py` runs on a real v5e chip.
@@ -356,18 +346,11 @@ def chip_grid(family: str) -> list[dict]:
     24K tokens, on a v5e (an H100 for the GPU), and 2 unrolled layers of Llama-3-8B's
     widths at 8K on a v5p chip (an H100), under each remat policy."""
     small, large = ("v5e:1x1", "v5p:1x1x1") if family == "tpu" else ("h100:1", "h100:1")
-    out = []
-    for target, model, layers, lengths in (
-        (small, CHIP_LM, 4, (8192, 24576)), (large, LLAMA_8B, 2, (8192,)),
-    ):
-        for seq_len in lengths:
-            for remat in ("none", "attention", "block"):
-                out.append(dict(
-                    kind="lm", target=target, seq_len=seq_len, num_devices=1,
-                    batch_devices=1, batch=1, num_layers=layers, mask="causal",
-                    remat=remat, **model,
-                ))  # fmt: skip
-    return out
+    return _lm_steps([
+        (small, 1, CHIP_LM, 4, 8192, False),
+        (small, 1, CHIP_LM, 4, 24576, False),
+        (large, 1, LLAMA_8B, 2, 8192, False),
+    ])  # fmt: skip
 
 
 def make_plan(cfg: dict) -> rx.Plan:

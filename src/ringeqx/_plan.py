@@ -104,9 +104,10 @@ class PlanOverlap(NamedTuple):
 
 def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
     """The forward tiles of the Pallas kernel an accelerator's mesh picks (its defaults
-    on a TPU, its tuned table on a GPU, for the problem's dtype and head_dim)."""
+    on a TPU, its tuned table on a GPU, for the problem's dtype and head_dim); a
+    ValueError where that kernel does not take the problem's head_dim."""
     kernel = PallasTpuKernel() if cfg.device.startswith("tpu") else PallasGpuKernel()
-    expected = kernel.head_dims(cfg.head_dim)
+    expected = kernel.unsupported_head_dim(cfg.head_dim)
     if expected is not None:
         lm = " (the LM's `dim` / `heads`)" if cfg.kind == "lm" else ""
         raise ValueError(

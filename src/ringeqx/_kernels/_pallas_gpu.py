@@ -490,9 +490,9 @@ class PallasGpuKernel(AbstractAttentionKernel):
                     f"tiles); got {value!r}."
                 )
 
-    def head_dims(self, head_dim: int) -> str | None:
-        """None where the kernel takes heads `head_dim` wide, else what it takes
-        (a power of two from 16 to 256), for a planner to refuse before it plans."""
+    def unsupported_head_dim(self, head_dim: int) -> str | None:
+        """None where the kernel takes heads `head_dim` wide; else a description of the
+        head dims it does take, for a planner to refuse before it plans."""
         return None if _head_dim_ok(head_dim) else _HEAD_DIMS
 
     def devices(self) -> frozenset[str]:

@@ -549,9 +549,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
                     f"{multiple} (TPU vreg tiles); got {value!r}."
                 )
 
-    def head_dims(self, head_dim: int) -> str | None:
-        """None where the kernel takes heads `head_dim` wide, else what it takes
-        (64 or a multiple of 128), for a planner to refuse before it plans."""
+    def unsupported_head_dim(self, head_dim: int) -> str | None:
+        """None where the kernel takes heads `head_dim` wide; else a description of the
+        head dims it does take, for a planner to refuse before it plans."""
         return None if _head_dim_ok(head_dim) else _HEAD_DIMS
 
     def devices(self) -> frozenset[str]:
