@@ -86,7 +86,10 @@ def plan(
     **Returns:** a [`ringeqx.Plan`][].
 
     **Raises:** `ValueError` when nothing fits, saying what would: how many devices on
-    the ring, or how large a budget.
+    the ring, or how large a budget; without `target=`, where the memory model was never
+    fitted on such a program on the device's compiler (a regime it has no counts for,
+    or an LM wider than its fit held), pointing at `target=`; on an accelerator, where
+    the platform's Pallas kernel does not take the head_dim.
 
     **Example:**
 
