@@ -336,6 +336,35 @@ def fourth_grid(family: str) -> list[dict]:
     ])  # fmt: skip
 
 
+# Qwen2.5-32B's LM widths (its gated MLP's 27648 as 41472 ungated).
+QWEN25_32B = dict(heads=40, kv_heads=8, dim=5120, vocab_size=152064, hidden=41472)
+
+
+def sixth_grid(family: str) -> list[dict]:
+    """A sixth held-out grid, defined and committed before the `fit-heads` sample was
+    compiled or the model refitted on it: attention of head groupings no fit or grid held
+    (56/8 of 128 on 8 chips, 12/2 of 256 and 40/8 of 64 on 4), each side of libtpu's
+    shard-length switch; and Qwen2.5-32B's LM widths, 2 unrolled layers at 8K tokens a
+    chip on 8 chips and 4 scanned at 8K on 4, under each remat policy."""
+    eight, four = _eight_and_four(family)
+    out = []
+    for target, chips, (heads, kv_heads, head_dim), lengths in (
+        (eight, 8, (56, 8, 128), (14336, 36864)),
+        (four, 4, (12, 2, 256), (16384, 32768)),
+        (four, 4, (40, 8, 64), (9216, 24576)),
+    ):
+        out += [
+            dict(kind="attention", target=target, num_devices=chips, batch_devices=1,
+                 batch=1, seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
+                 head_dim=head_dim, dtype="bfloat16", mask="causal", remat="none")
+            for per_chip in lengths
+        ]  # fmt: skip
+    return out + _lm_steps([
+        (eight, 8, QWEN25_32B, 2, 8192, False),
+        (four, 4, QWEN25_32B, 4, 8192, True),
+    ])  # fmt: skip
+
+
 # The 0.3B-parameter LM `benchmarks/plan_on_chip.py` runs on a real v5e chip.
 CHIP_LM = dict(heads=16, kv_heads=8, dim=2048, vocab_size=32000, hidden=5632)
 
@@ -440,6 +469,8 @@ def run_measure(args) -> None:
         sample = blind_grid(args.family)
     elif args.measure == "fourth":
         sample = fourth_grid(args.family)
+    elif args.measure == "sixth":
+        sample = sixth_grid(args.family)
     else:
         sample = check_grid(args.family)
     for i, cfg in enumerate(sample):
@@ -601,7 +632,7 @@ def run_table(args) -> None:
     grids = (
         ("check", args.family), ("holdout", f"{args.family}, 70B"),
         ("blind", f"{args.family}, third grid"), ("fourth", f"{args.family}, fourth grid"),
-        ("chip", f"{args.family}, one chip"),
+        ("chip", f"{args.family}, one chip"), ("sixth", f"{args.family}, sixth grid"),
     )  # fmt: skip
     for split, name in grids:
         if not _rows(args.family, split):
@@ -621,7 +652,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
         "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
-        "fit-long", "fit-chip", "check", "holdout", "blind", "fourth", "chip",
+        "fit-long", "fit-chip", "check", "holdout", "blind", "fourth", "chip", "sixth",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)
