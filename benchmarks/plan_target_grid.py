@@ -14,6 +14,7 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --measure fit-ring --points 40
     python benchmarks/plan_target_grid.py --family tpu --measure fit-deep --points 30
     python benchmarks/plan_target_grid.py --family tpu --measure fit-long --points 20
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-heads --points 48
     python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 24
     python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 20 --seed 2 \
         --targets v5p:2x2x2 --tokens 4096 8192 16384   # (wide steps on 8 chips, longer shards)
@@ -144,6 +145,26 @@ def long_sample(rng: random.Random, family: str) -> dict:
     cfg = attention_sample(rng, family)
     per_chip = rng.choice([8192, 16384, 32768, 65536])
     return dict(cfg, seq_len=per_chip * cfg["num_devices"])
+
+
+# Head groupings for `fit-heads`: 4-96 heads of 64-256, 1-12 query heads a K/V head (the
+# other samples hold 4-16 heads and no 256-wide ones; none is a held-out grid's).
+WIDE_ATTENTION_HEADS = [
+    (48, 8, 128), (96, 8, 128), (28, 4, 128), (32, 32, 128),
+    (8, 4, 256), (32, 8, 256), (48, 8, 64), (16, 16, 64),
+]  # fmt: skip
+
+
+def heads_sample(rng: random.Random, family: str) -> dict:
+    """Attention of `WIDE_ATTENTION_HEADS` on shards of 8K-48K tokens a chip, both sides
+    of libtpu's switch near 23K (where its buffers per q-sized array step up by a level
+    that depends on the head grouping)."""
+    cfg = long_sample(rng, family)
+    h, kh, d = rng.choice(WIDE_ATTENTION_HEADS)
+    per_chip = rng.choice([8192, 12288, 16384, 20480, 24576, 32768, 49152])
+    return dict(
+        cfg, heads=h, kv_heads=kh, head_dim=d, seq_len=per_chip * cfg["num_devices"]
+    )
 
 
 def lm_sample(rng: random.Random, family: str, scan: bool = False, ring: bool = False) -> dict:
@@ -441,6 +462,9 @@ def run_measure(args) -> None:
     elif args.measure == "fit-long":  # attention on long shards
         rng = random.Random(args.seed + 4)
         sample = [long_sample(rng, args.family) for _ in range(args.points)]
+    elif args.measure == "fit-heads":  # attention of more head groupings
+        rng = random.Random(args.seed + 9)
+        sample = [heads_sample(rng, args.family) for _ in range(args.points)]
     elif args.measure == "fit-deep":  # wide LMs, scanned and unrolled
         rng = random.Random(args.seed + 3)
         sample = [deep_sample(rng, args.family, i % 3 != 2) for i in range(args.points)]
@@ -652,7 +676,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("tpu", "gpu"), required=True)
     samples = (
         "fit", "fit-scan", "fit-ring", "fit-deep", "fit-width", "fit-wide", "fit-vocab",
-        "fit-long", "fit-chip", "check", "holdout", "blind", "fourth", "chip", "sixth",
+        "fit-long", "fit-heads", "fit-chip", "check", "holdout", "blind", "fourth", "chip", "sixth",
     )  # fmt: skip
     parser.add_argument("--measure", choices=samples)
     parser.add_argument("--points", type=int, default=48)

@@ -76,52 +76,67 @@ ATTENTION: dict[str, dict[str, dict[str, float]]] = {
             "residuals": 0.1473
         },
         "p2-f16": {
-            "in_flight": 0.3848,
-            "residuals": 2.1597,
-            "tile": 14.8475
+            "in_flight": 0.4073,
+            "q32_zigzag": 0.1078,
+            "residuals": 2.166,
+            "tile": 12.4151
         },
         "p2-f32": {
-            "in_flight": 0.2521,
-            "residuals": 1.5222
+            "const": 2.2855,
+            "in_flight": 0.2504,
+            "residuals": 1.5094
         },
         "pn-f16": {
-            "in_flight": 0.4821,
-            "q32_zigzag": 0.0334,
-            "residuals": 2.2541,
-            "tile": 1.7105
+            "in_flight": 0.4706,
+            "q32_zigzag": 0.0028,
+            "residuals": 2.2647,
+            "tile": 3.1825
         },
         "pn-f32": {
-            "in_flight": 0.2203,
-            "residuals": 1.8264
+            "in_flight": 0.1368,
+            "q32_zigzag": 0.093,
+            "residuals": 1.9054
         }
     },
     "tpu": {
         "p1-f16": {
-            "kv_rows_lanes": 4.0419,
-            "rows_lanes": 3.3142
+            "kv_rows_lanes": 4.097,
+            "q32_long": 0.3709,
+            "rows_lanes": 3.2084
         },
         "p1-f32": {
-            "kv_rows_lanes": 4.0958,
-            "rows_lanes": 3.688
+            "kv_rows_lanes": 4.0654,
+            "q32_long": 0.2346,
+            "rows_lanes": 3.6488
         },
         "p2-f16": {
-            "const": 22.2515,
-            "in_flight": 0.2136,
-            "kv_rows_lanes": 4.3812,
-            "rows_lanes": 5.4694
+            "const": 18.1108,
+            "in_flight": 1.3147,
+            "kv_rows_lanes": 2.4524,
+            "q32_long": 0.0595,
+            "rows_lanes": 4.3748
         },
         "p2-f32": {
-            "const": 112.5969,
-            "rows_lanes": 6.9966
+            "const": 138.6142,
+            "in_flight": 0.7026,
+            "kv_rows_lanes": 2.8161,
+            "rows_lanes": 4.8488,
+            "tile": 1.9819
         },
         "pn-f16": {
-            "in_flight": 2.4915,
-            "residuals": 2.5411,
-            "rows_lanes": 3.7014
+            "const": 70.2148,
+            "in_flight": 0.4444,
+            "kv_rows_lanes": 5.3534,
+            "q32_long": 3.8303,
+            "residuals": 1.9923,
+            "rows_lanes": 3.3169,
+            "tile": 1.3669
         },
         "pn-f32": {
-            "residuals": 0.6833,
-            "rows_lanes": 7.3017
+            "in_flight": 1.9549,
+            "kv_rows_lanes": 2.435,
+            "q32_zigzag": 0.2354,
+            "rows_lanes": 5.4924
         }
     }
 }
@@ -138,247 +153,259 @@ LM: dict[str, dict[str, dict[str, float]]] = {
     },
     "gpu": {
         "lm-attention": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer_weights": 0.7734,
-            "logits": 1.699,
-            "mlp": 1.4894,
-            "sequence": 1.2553,
-            "stream": 2.1624,
-            "weights": 0.0695
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer": 0.2246,
+            "layer_weights": 0.5774,
+            "logits": 1.688,
+            "mlp": 1.4389,
+            "sequence": 1.2406,
+            "stream": 1.7698,
+            "weights": 0.1282
         },
         "lm-attention-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "logits": 1.9537,
-            "mlp": 0.4563,
-            "sequence": 3.6255,
-            "stream": 3.7119
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "logits": 1.9535,
+            "mlp": 0.4503,
+            "sequence": 2.7729,
+            "stream": 3.759
         },
         "lm-block": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer_weights": 0.587,
-            "logits": 1.3341,
-            "mlp": 1.2841,
-            "sequence": 2.05,
-            "stream": 4.4157
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer_weights": 0.5421,
+            "logits": 1.3275,
+            "mlp": 1.3132,
+            "sequence": 1.9767,
+            "stream": 4.2417
         },
         "lm-block-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "embedding": 0.2556,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "logits": 1.9054,
-            "stream": 1.2066
+            "attention": 1.1001,
+            "const": 54.7036,
+            "embedding": 0.2824,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "logits": 1.8767,
+            "stream": 1.0111
         },
         "lm-none": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "embedding": 0.0904,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "logits": 1.793,
-            "mlp": 2.4945,
-            "sequence": 1.6216,
-            "stream": 9.5379
+            "attention": 1.1001,
+            "const": 54.7036,
+            "embedding": 0.0815,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "logits": 1.7895,
+            "mlp": 2.517,
+            "sequence": 1.5899,
+            "stream": 9.2592
         },
         "lm-none-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "embedding": 0.3288,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "logits": 1.9557,
-            "mlp": 2.3158,
-            "stream": 6.2034
+            "attention": 1.1001,
+            "const": 54.7036,
+            "embedding": 0.316,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "logits": 1.9492,
+            "mlp": 2.4253,
+            "stream": 5.5532
         },
         "lm-scan-attention": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer": 1.7856,
-            "layer_weights": 0.0869,
-            "logits": 1.69,
-            "mlp": 0.7658,
-            "sequence": 0.0975,
-            "stream": 5.0339,
-            "weights": 0.113
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer": 1.7618,
+            "layer_weights": 0.0396,
+            "logits": 1.6837,
+            "mlp": 0.7751,
+            "stream": 4.9732,
+            "weights": 0.1185
         },
         "lm-scan-attention-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer_weights": 1.1548,
-            "logits": 1.8372,
-            "mlp": 1.7011,
-            "stream": 2.1969,
-            "weights": 0.3417
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer_weights": 0.7802,
+            "logits": 1.826,
+            "mlp": 1.6981,
+            "stream": 2.082,
+            "weights": 0.4134
         },
         "lm-scan-block": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer_weights": 1.047,
-            "logits": 1.7817,
-            "mlp": 0.1157,
-            "sequence": 0.5898,
-            "stream": 1.3181,
-            "weights": 0.0261
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer_weights": 0.9753,
+            "logits": 1.7798,
+            "mlp": 0.1151,
+            "sequence": 0.5118,
+            "stream": 1.2015,
+            "weights": 0.0379
         },
         "lm-scan-block-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "embedding": 0.2148,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer_weights": 1.325,
-            "logits": 1.8373,
-            "stream": 1.2816,
-            "weights": 0.5988
+            "attention": 1.1001,
+            "const": 54.7036,
+            "embedding": 0.2104,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer_weights": 1.1784,
+            "logits": 1.8406,
+            "stream": 1.0731,
+            "weights": 0.6378
         },
         "lm-scan-none": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "embedding": 0.2101,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "layer": 0.3658,
-            "logits": 1.6499,
-            "mlp": 6.454,
-            "sequence": 0.0203,
-            "stream": 11.0087,
-            "weights": 0.3049
+            "attention": 1.1001,
+            "const": 54.7036,
+            "embedding": 0.2083,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "layer": 0.2182,
+            "logits": 1.6501,
+            "mlp": 6.5063,
+            "stream": 10.8108,
+            "weights": 0.2962
         },
         "lm-scan-none-p1": {
-            "attention": 0.7854,
-            "const": 53.0108,
-            "gradients": 0.1737,
-            "in_flight": 1.4741,
-            "logits": 1.9579,
-            "mlp": 6.0937,
-            "stream": 11.9272,
-            "weights": 0.4037
+            "attention": 1.1001,
+            "const": 54.7036,
+            "gradients": 0.1757,
+            "in_flight": 0.2766,
+            "logits": 1.9467,
+            "mlp": 6.1297,
+            "stream": 11.7077,
+            "weights": 0.382
         }
     },
     "tpu": {
         "lm-attention": {
-            "const": 69.1634,
-            "embedding": 0.1402,
-            "head_weight": 0.9659,
-            "logits": 1.2316,
-            "mlp": 0.7512,
-            "sequence": 3.5339,
-            "stacked": 0.3431
+            "const": 26.0525,
+            "embedding": 0.1721,
+            "head_weight": 0.4185,
+            "in_flight": 1.0235,
+            "logits": 1.1318,
+            "mlp": 0.8353,
+            "sequence": 3.2886,
+            "stacked": 0.2058
         },
         "lm-attention-p1": {
-            "const": 69.1634,
-            "embedding": 0.1489,
-            "head_weight": 7.8559,
-            "layer_weights": 1.9124,
-            "logits": 1.126,
-            "mlp": 1.1425,
-            "stream": 3.1747
+            "const": 26.0525,
+            "embedding": 0.1606,
+            "head_weight": 9.0955,
+            "in_flight": 1.0235,
+            "layer_weights": 1.8971,
+            "logits": 1.1121,
+            "mlp": 1.5578,
+            "stream": 2.0864
         },
         "lm-block": {
-            "const": 69.1634,
-            "head_weight": 3.4223,
-            "logits": 1.0664,
-            "sequence": 3.6767,
-            "weights": 0.0649
+            "const": 26.0525,
+            "head_weight": 3.1865,
+            "in_flight": 1.0235,
+            "logits": 1.0167,
+            "sequence": 3.384,
+            "weights": 0.0868
         },
         "lm-block-p1": {
-            "const": 69.1634,
-            "embedding": 0.3893,
-            "head_weight": 7.6817,
-            "layer": 0.4817,
-            "logits": 1.0919,
-            "mlp": 0.4246
+            "const": 26.0525,
+            "embedding": 0.4188,
+            "head_weight": 8.2408,
+            "in_flight": 1.0235,
+            "layer": 0.5212,
+            "logits": 1.089,
+            "mlp": 0.4275
         },
         "lm-none": {
-            "const": 69.1634,
-            "layer": 0.9013,
-            "logits": 1.5504,
-            "mlp": 1.4504,
-            "sequence": 1.079,
-            "stacked": 0.7818,
-            "stream": 3.8472
+            "const": 26.0525,
+            "embedding": 0.0103,
+            "in_flight": 1.0235,
+            "layer": 0.6276,
+            "logits": 1.4966,
+            "mlp": 1.4033,
+            "sequence": 1.1565,
+            "stacked": 0.8903,
+            "stream": 3.2993
         },
         "lm-none-p1": {
-            "const": 69.1634,
-            "embedding": 0.37,
-            "logits": 0.9757,
-            "mlp": 0.4043,
-            "sequence": 8.1821,
-            "stream": 4.5917
+            "const": 26.0525,
+            "embedding": 0.2983,
+            "in_flight": 1.0235,
+            "logits": 1.0022,
+            "mlp": 0.0999,
+            "sequence": 9.1883,
+            "stream": 5.507
         },
         "lm-scan-attention": {
-            "const": 69.1634,
-            "head_weight": 1.1126,
-            "layer": 2.3396,
-            "layer_weights": 0.1899,
-            "logits": 1.2933,
-            "mlp": 2.0399,
-            "sequence": 0.4239,
-            "stacked": 0.0706,
-            "stream": 5.2588,
-            "weights": 0.1426
+            "const": 26.0525,
+            "head_weight": 1.3065,
+            "in_flight": 1.0235,
+            "layer": 0.5617,
+            "layer_weights": 0.8519,
+            "logits": 1.2953,
+            "mlp": 2.3362,
+            "sequence": 0.1423,
+            "stream": 5.0046,
+            "weights": 0.0685
         },
         "lm-scan-attention-p1": {
-            "const": 69.1634,
-            "embedding": 1.6039,
-            "head_weight": 18.3037,
-            "layer": 2.3556,
-            "logits": 0.8307,
-            "mlp": 3.2052,
-            "stacked": 2.9693,
-            "stream": 0.6435
+            "const": 26.0525,
+            "embedding": 1.622,
+            "head_weight": 17.0265,
+            "in_flight": 1.0235,
+            "layer": 2.6023,
+            "logits": 0.8422,
+            "mlp": 3.1221,
+            "stacked": 2.9746,
+            "stream": 0.9622
         },
         "lm-scan-block": {
-            "const": 69.1634,
-            "layer": 1.1716,
-            "logits": 1.0166,
-            "sequence": 2.0364,
-            "stacked": 2.1428,
-            "stream": 1.2244,
-            "weights": 0.0172
+            "const": 26.0525,
+            "in_flight": 1.0235,
+            "layer": 0.1959,
+            "layer_weights": 0.1914,
+            "logits": 0.987,
+            "mlp": 0.1437,
+            "sequence": 2.1332,
+            "stacked": 2.0768,
+            "stream": 0.942
         },
         "lm-scan-block-p1": {
-            "const": 69.1634,
-            "embedding": 1.2594,
-            "head_weight": 3.048,
-            "logits": 0.5364,
-            "sequence": 9.1843,
-            "stacked": 1.6035,
-            "stream": 2.4383
+            "const": 26.0525,
+            "embedding": 1.1779,
+            "head_weight": 4.0499,
+            "in_flight": 1.0235,
+            "logits": 0.5879,
+            "sequence": 9.2285,
+            "stacked": 1.7047,
+            "stream": 2.3079
         },
         "lm-scan-none": {
-            "const": 69.1634,
-            "head_weight": 1.5468,
-            "layer": 8.9156,
-            "logits": 2.0133,
-            "mlp": 5.6016,
-            "stacked": 2.8916,
-            "stream": 7.0218
+            "const": 26.0525,
+            "head_weight": 1.4453,
+            "in_flight": 1.0235,
+            "layer": 8.567,
+            "logits": 1.9501,
+            "mlp": 5.6309,
+            "stacked": 2.9058,
+            "stream": 6.9255
         },
         "lm-scan-none-p1": {
-            "const": 69.1634,
-            "head_weight": 4.4388,
-            "layer": 12.0684,
-            "logits": 0.9342,
-            "mlp": 1.8173,
-            "stacked": 2.1945,
-            "stream": 29.6441
+            "const": 26.0525,
+            "head_weight": 2.1669,
+            "in_flight": 1.0235,
+            "layer": 12.3549,
+            "logits": 0.9726,
+            "mlp": 1.5262,
+            "stacked": 2.2091,
+            "stream": 30.3598
         }
     }
 }
@@ -396,7 +423,7 @@ HEADROOM: dict[str, dict[str, float]] = {
     },
     "tpu": {
         "attention": 0.23,
-        "lm": 0.27
+        "lm": 0.28
     }
 }
 

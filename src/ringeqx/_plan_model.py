@@ -85,6 +85,7 @@ ATTENTION_TERMS = {
     "q32_zigzag": "attention",
     "rows_lanes": "attention",
     "kv_rows_lanes": "attention",
+    "q32_long": "attention",
     "const": "attention",
 }
 LM_TERMS = {
@@ -105,6 +106,8 @@ LM_TERMS = {
 }
 
 _MIB = 2**20
+# Rows of a shard (batch x tokens) past which libtpu's attention holds more buffers.
+_LONG_ROWS = 23040
 
 
 class Shapes(eqx.Module):
@@ -167,6 +170,14 @@ def attention_features(s: Shapes) -> dict[str, float]:
         # buffer assignment: s32[b, kv_heads, n, 128]); without it a 1-chip ring's
         # kv-heavy heads (8/8 x 64) were under-predicted by up to 29%.
         out["kv_rows_lanes"] = 4.0 * s.batch * s.capacity * s.kv_heads * 128
+        # libtpu holds about 3 more float32 q-sized buffers once a shard's rows (batch x
+        # tokens) pass about 23K at heads of 128 or wider (a sweep of 4-128 heads of 128
+        # and 256: between 22,528 and 23,552 rows for every grouping, while the level on
+        # either side depends on the grouping; 64-wide heads switch elsewhere, both ways).
+        # Fitted on 37 groupings x lengths of multi-step rings, it takes that regime's
+        # spread from -20% .. +24% to -8% .. +13%.
+        long = s.batch * s.capacity >= _LONG_ROWS and s.head_dim >= 128
+        out["q32_long"] = 4.0 * q * long
     return out
 
 
