@@ -27,6 +27,7 @@ were not fitted on.
     python benchmarks/plan_target_grid.py --family tpu --measure holdout
     python benchmarks/plan_target_grid.py --family tpu --measure blind
     python benchmarks/plan_target_grid.py --family tpu --measure fourth
+    python benchmarks/plan_target_grid.py --family tpu --measure sixth
     python benchmarks/plan_target_grid.py --family tpu --table      # the error tables
 
 (`benchmarks/RESULTS.md` lists the runs behind the committed constants.)
@@ -39,7 +40,9 @@ each remat policy), none of which the sample holds; `holdout` points a second su
 of Llama-3-70B's shapes, measured only once the model's terms were settled; `blind`
 points a third (Qwen2-72B's widths, and Llama-3-70B's on 4 chips), measured once the
 terms chosen with the second grid in view were settled; `fourth` points a fourth,
-defined before it was compiled (see `fourth_grid`). Measurements accumulate in
+defined before it was compiled (see `fourth_grid`); `chip` a fifth, of single chips;
+`sixth` a sixth, defined before `fit-heads` (attention of more head groupings) was
+compiled and the model refitted on it (see `sixth_grid`). Measurements accumulate in
 `benchmarks/plan_calibration_{family}.json` (a point already measured is not compiled
 again), so runs can be interrupted and resumed.
 """
