@@ -235,6 +235,25 @@ def test_one_chip_lm_is_its_own_regime():
         rx.plan(36864, 1, device="tpu-v5e", remat="attention", **lm)
 
 
+def test_tpu_attention_steps_where_libtpu_does():
+    # libtpu's attention holds about three more float32 q-sized buffers once a shard's
+    # rows pass ~23K at heads of 128 or wider (between 22,528 and 23,552 for every
+    # grouping swept; benchmarks/RESULTS.md): the TPU's model steps there, and neither
+    # at head_dim 64 nor on the H100 (whose compiler has no such step).
+    kw = dict(heads=32, kv_heads=8, dtype="bfloat16", max_memory_usage=2**40)
+
+    def step(device, head_dim):
+        before, after = (
+            rx.plan(8 * n, 8, device=device, head_dim=head_dim, **kw).memory.total / n
+            for n in (22528, 23552)
+        )
+        return after / before
+
+    assert step("tpu-v5p", 128) > 1.25
+    assert abs(step("tpu-v5p", 64) - 1) < 0.01
+    assert abs(step("h100", 128) - 1) < 0.01
+
+
 def test_cli_plan_table_and_json(capsys):
     args = [
         "plan",
