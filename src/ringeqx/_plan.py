@@ -23,6 +23,7 @@ from ._plan_model import (
     headroom,
     predict_attention,
     predict_lm,
+    regime,
     uncalibrated,
 )
 from ._report import HARDWARE, float_itemsize
@@ -383,14 +384,21 @@ def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None
     for r in _remats(cfg, remat):
         for b in blocks:
             memory = predict(cfg, b, r, cfg.num_devices)
-            if _fits(cfg, memory):
+            if _fits(cfg, memory, _headroom(cfg, b, r)):
                 return make_plan(cfg, b, r, memory, tiles=tiles)
     return None
 
 
-def _fits(cfg: Problem, memory: MemoryBreakdown) -> bool:
-    """Whether the prediction, with the model's headroom, is within the budget."""
-    return memory.total * (1 + headroom(cfg.kind, cfg.device)) <= cfg.max_memory_usage
+def _headroom(cfg: Problem, block: int, remat: Remat, num_devices: int | None = None) -> float:
+    """The model's headroom for `cfg` with these knobs (on `num_devices`, by default
+    its own): its regime's."""
+    problem = _problem(cfg, block, remat, num_devices or cfg.num_devices)
+    return headroom(cfg.kind, cfg.device, regime(problem))
+
+
+def _fits(cfg: Problem, memory: MemoryBreakdown, spare: float) -> bool:
+    """Whether the prediction, with `spare` (the model's headroom), is within the budget."""
+    return memory.total * (1 + spare) <= cfg.max_memory_usage
 
 
 def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str:
@@ -400,12 +408,13 @@ def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str
     p, budget = cfg.num_devices, cfg.max_memory_usage
     least = predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
-    need = least.total * (1 + headroom(cfg.kind, cfg.device))
+    spare = _headroom(cfg, b, r)
+    need = least.total * (1 + spare)
     head = (
         f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
         f"seq_len={cfg.seq_len} on num_devices={p} needs at least "
         f"{need / _MIB:,.1f} MiB (remat={r!r}, tiles {b}x{b}, with the model's "
-        f"{headroom(cfg.kind, cfg.device):.0%} headroom)"
+        f"{spare:.0%} headroom)"
     )
     if fixed >= budget:
         return (
@@ -417,7 +426,7 @@ def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str
     while more < 2**16 * p:
         more *= 2
         memory = predict(cfg, b, r, more)
-        if _fits(cfg, memory):
+        if _fits(cfg, memory, _headroom(cfg, b, r, more)):
             return (
                 f"{head}. It fits on num_devices={more} ({memory.total / _MIB:,.1f} MiB "
                 f"per device), or raise max_memory_usage to {need / _MIB:,.1f} MiB."

@@ -270,20 +270,19 @@ def lm_features(s: LMShapes) -> dict[str, float]:
         out["weights"] = 4.0 * s.num_layers * layer
         out["layer_weights"] = 4.0 * layer
         out["layer"] = 4.0 * tokens * (s.dim + s.hidden)
-        # The whole sequence's hidden states: with the head's weights sharded over the
-        # ring's chips, the compilers gather the activations for a vocabulary-sharded
-        # head (XLA:GPU's memory report for 2 layers of Llama-3-8B's widths at 4K tokens
-        # on 8 H100s holds f32[32768,4096] more than once).
-        out["sequence"] = 4.0 * tokens * s.chips * s.dim
-    if a.family == "tpu":
-        # libtpu gathers whichever is smaller for the vocabulary-sharded head: every
-        # chip's activations (`sequence`) or, once the sequence holds more tokens than
-        # the vocabulary, the head's whole weight (its memory-usage reports: `f32[128256,
-        # 2048]` beside the logits of 3 layers at 16K tokens a chip on 8 chips, the
-        # activations `f32[1,32768,8192]` for Llama-3-70B's widths at 4K). Without it
-        # the fit's remat-"block" steps spread -33% .. +33%, with it -20% .. +30%.
+        # For the vocabulary-sharded head the compilers gather whichever is smaller:
+        # every chip's hidden states (`sequence`) or, once the sequence holds as many
+        # tokens as the vocabulary, the head's whole weight (`head_weight`). Their
+        # memory-usage reports: for Llama-3-8B's widths at 8K tokens a chip, on 8 v5p
+        # chips `f32[65536,4096]` and the logits as `f32[16032,65536]`; on 16 and 64
+        # chips no sequence-sized buffer, the logits as `f32[128256,8192]` and copies of
+        # `f32[128256,4096]` (XLA:GPU's for 2 layers at 4K on 8 H100s: `f32[32768,4096]`
+        # more than once). A sequence term for every length put the longest contexts on
+        # 64 and 256 v5p chips at 1.7-6.2 times their compiled bytes.
         seq = tokens * s.chips
+        out["sequence"] = 4.0 * seq * s.dim * (seq < s.vocab_size)
         out["head_weight"] = 4.0 * s.vocab_size * s.dim * (s.vocab_size <= seq)
+    if a.family == "tpu":
         # Every layer's weights as the chip's shard of them: what scanned layers carry
         # through the loops (libtpu's live ranges of 8 scanned layers of a 7168-wide
         # model on 4 chips hold the stacked gradient being accumulated, f32[8,7168,17920]
@@ -390,11 +389,23 @@ def predict_lm(s: LMShapes) -> MemoryBreakdown:
     return MemoryBreakdown(**{k: int(math.ceil(v)) for k, v in parts.items()})
 
 
-def headroom(kind: str, device: str = "cpu") -> float:
+def headroom(kind: str, device: str = "cpu", regime: str | None = None) -> float:
     """How much more than predicted a program of `kind` (`"attention"` or `"lm"`) may
     compile to on `device`'s compiler: the largest under-prediction seen in calibrating
-    its family, with 2% to spare."""
-    return HEADROOM.get(family(device), {}).get(kind, 0.0)
+    its family, with 2% to spare. On accelerators an LM step on one chip (`regime` a
+    `-p1` one) has its own, since its counts are fitted on their own: within 18% on one
+    chip, to -32% on rings of 4-64 v5p chips. (Attention keeps one for both: a ring's
+    own would have left a held-out program past it; so would one per regime.)"""
+    table = HEADROOM.get(family(device), {})
+    one_chip = kind == "lm" and regime is not None and regime.endswith("-p1")
+    return table.get(f"{kind}-p1" if one_chip else kind, table.get(kind, 0.0))
+
+
+def regime(shapes: "Shapes | LMShapes") -> str:
+    """The calibration regime of a problem (its counts and headroom)."""
+    if isinstance(shapes, LMShapes):
+        return lm_regime(shapes)
+    return attention_regime(shapes)
 
 
 def terms(shapes: "Shapes | LMShapes") -> tuple[dict[str, float], str, int]:
