@@ -391,7 +391,7 @@ def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None
 
 def _headroom(cfg: Problem, block: int, remat: Remat, num_devices: int | None = None) -> float:
     """The model's headroom for `cfg` with these knobs (on `num_devices`, by default
-    its own): its regime's."""
+    its own): its kind's, or an LM step on one chip's (`headroom`)."""
     problem = _problem(cfg, block, remat, num_devices or cfg.num_devices)
     return headroom(cfg.kind, cfg.device, regime(problem))
 
