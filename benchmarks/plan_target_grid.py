@@ -22,6 +22,7 @@ were not fitted on.
         --targets v5p:2x2x2 --tokens 4096 8192
     python benchmarks/plan_target_grid.py --family tpu --measure fit-vocab --points 12 \
         --targets v5p:2x2x2 --tokens 4096 8192
+    python benchmarks/plan_target_grid.py --family tpu --measure fit-many --points 18
     python benchmarks/plan_target_grid.py --family tpu --measure check
     python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
     python benchmarks/plan_target_grid.py --family tpu --measure holdout
@@ -44,9 +45,9 @@ terms chosen with the second grid in view were settled; `fourth` points a fourth
 defined before it was compiled (see `fourth_grid`); `chip` a fifth, of single chips;
 `sixth` a sixth, defined before `fit-heads` (attention of more head groupings) was
 compiled and the model refitted on it (see `sixth_grid`); `seventh` a seventh, of many
-chips and sequences longer than the vocabulary (see `seventh_grid`). Measurements accumulate in
-`benchmarks/plan_calibration_{family}.json` (a point already measured is not compiled
-again), so runs can be interrupted and resumed.
+chips and sequences longer than the vocabulary (see `seventh_grid`). Measurements
+accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
+compiled again), so runs can be interrupted and resumed.
 """
 
 import argparse
@@ -300,6 +301,17 @@ def _lm_steps(rows) -> list[dict]:
     return out
 
 
+def _attention_programs(rows) -> list[dict]:
+    """Causal bfloat16 attention on a ring of every chip, one per `(target, chips, (heads,
+    kv_heads, head_dim), tokens a chip)` row."""
+    return [
+        dict(kind="attention", target=target, num_devices=chips, batch_devices=1, batch=1,
+             seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+             dtype="bfloat16", mask="causal", remat="none")
+        for target, chips, (heads, kv_heads, head_dim), per_chip in rows
+    ]  # fmt: skip
+
+
 def check_grid(family: str) -> list[dict]:
     """The held-out grid: Llama-3-8B's attention at long shards, and 2 layers of its LM
     under each remat policy, on the family's 8-chip target."""
@@ -366,18 +378,11 @@ def fourth_grid(family: str) -> list[dict]:
     LM with a 256000-word vocabulary (width 4096, 16/8 heads), 8 scanned layers on 4
     chips; every LM under each remat policy."""
     eight, four = _eight_and_four(family)
-    out = []
-    for target, chips, (heads, kv_heads, head_dim), lengths in (
-        (eight, 8, (128, 8, 128), (12288, 40960)),
-        (four, 4, (16, 8, 256), (20480, 28672)),
-        (four, 4, (24, 4, 64), (10240, 20480)),
-    ):
-        out += [
-            dict(kind="attention", target=target, num_devices=chips, batch_devices=1,
-                 batch=1, seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
-                 head_dim=head_dim, dtype="bfloat16", mask="causal", remat="none")
-            for per_chip in lengths
-        ]  # fmt: skip
+    out = _attention_programs([
+        (eight, 8, (128, 8, 128), 12288), (eight, 8, (128, 8, 128), 40960),
+        (four, 4, (16, 8, 256), 20480), (four, 4, (16, 8, 256), 28672),
+        (four, 4, (24, 4, 64), 10240), (four, 4, (24, 4, 64), 20480),
+    ])  # fmt: skip
     return out + _lm_steps([
         (eight, 8, MISTRAL_LARGE_2, 2, 4096, False),
         (eight, 8, MISTRAL_LARGE_2, 4, 4096, True),
@@ -396,18 +401,11 @@ def sixth_grid(family: str) -> list[dict]:
     shard-length switch; and Qwen2.5-32B's LM widths, 2 unrolled layers at 8K tokens a
     chip on 8 chips and 4 scanned at 8K on 4, under each remat policy."""
     eight, four = _eight_and_four(family)
-    out = []
-    for target, chips, (heads, kv_heads, head_dim), lengths in (
-        (eight, 8, (56, 8, 128), (14336, 36864)),
-        (four, 4, (12, 2, 256), (16384, 32768)),
-        (four, 4, (40, 8, 64), (9216, 24576)),
-    ):
-        out += [
-            dict(kind="attention", target=target, num_devices=chips, batch_devices=1,
-                 batch=1, seq_len=per_chip * chips, heads=heads, kv_heads=kv_heads,
-                 head_dim=head_dim, dtype="bfloat16", mask="causal", remat="none")
-            for per_chip in lengths
-        ]  # fmt: skip
+    out = _attention_programs([
+        (eight, 8, (56, 8, 128), 14336), (eight, 8, (56, 8, 128), 36864),
+        (four, 4, (12, 2, 256), 16384), (four, 4, (12, 2, 256), 32768),
+        (four, 4, (40, 8, 64), 9216), (four, 4, (40, 8, 64), 24576),
+    ])  # fmt: skip
     return out + _lm_steps([
         (eight, 8, QWEN25_32B, 2, 8192, False),
         (four, 4, QWEN25_32B, 4, 8192, True),
@@ -424,12 +422,9 @@ def seventh_grid(family: str) -> list[dict]:
     sequences longer than the vocabulary: 8 scanned layers of 8B's LM at 24K tokens a
     chip and 2 unrolled of 70B's at 24K. Every LM under each remat policy."""
     if family == "tpu":
-        out = [
-            dict(kind="attention", target=target, num_devices=chips, batch_devices=1,
-                 batch=1, seq_len=per_chip * chips, heads=32, kv_heads=8, head_dim=128,
-                 dtype="bfloat16", mask="causal", remat="none")
-            for target, chips, per_chip in (("v5p:2x2x4", 16, 32768), ("v5p:4x4x4", 64, 65536))
-        ]  # fmt: skip
+        out = _attention_programs([
+            ("v5p:2x2x4", 16, (32, 8, 128), 32768), ("v5p:4x4x4", 64, (32, 8, 128), 65536),
+        ])  # fmt: skip
         return out + _lm_steps([
             ("v5p:2x2x4", 16, LLAMA_8B, 8, 16384, True),
             ("v5p:2x4x4", 32, LLAMA_8B, 2, 4096, False),
