@@ -165,3 +165,22 @@ def test_new_lengths_do_not_recompile():
             query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
         )  # fmt: skip
         np.testing.assert_allclose(ring(Q, q_lens, kv_lens), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_constant_along_the_keys_is_kept_beside_sinks():
+    # Softmax ignores a bias constant along the keys, but not beside `sinks=`: it shifts
+    # every key against the sinks, so it equals shifting the sinks the other way. (It
+    # was dropped there: the fuzzer found it with one-token sequences, whose per-key
+    # bias is constant along the keys.)
+    m, kernel = mesh(3), rx.XlaKernel(8, 8)
+    shift = jnp.array([0.7, -1.3, 0.2, 2.0])
+    sinks = jnp.array([0.5, 0.1, -0.4, 1.0])
+
+    def run(sinks, bias=None):
+        return rx.ring_attention(Q, K, V, mesh=m, kernel=kernel, sinks=sinks, bias=bias)
+
+    kept = run(sinks, shift.reshape(1, H, 1, 1))
+    np.testing.assert_allclose(kept, run(sinks - shift), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(kept, run(sinks), atol=1e-3)
+    with pytest.raises(ValueError, match=r"constant along the keys.*`sinks=`"):
+        run(sinks, jnp.ones((B, H, S, 1)))

@@ -90,7 +90,7 @@ def resolve_attention(
     q, k, v = as_qkv(q, k, v)
     check_qkv(q, k, v)
     mask, score_mod, segment_ids, span_ids = translate(
-        q, mask, score_mod, segment_ids, span_ids, layout, compat
+        q, mask, score_mod, segment_ids, span_ids, layout, compat, sinks
     )
     check_mask_arg(mask)
     check_int32("segment_ids", segment_ids)
@@ -382,7 +382,9 @@ def ring_attention(
     - `bias`: one that broadcasts over the queries, `[1, heads or 1, 1, seq]`, becomes a
         score modifier (run before `score_mod`, and trainable: its gradient is exact);
         one constant along the keys (`[..., 1]`) leaves softmax unchanged (its gradient
-        is zero) and is dropped. A bias over
+        is zero) and is dropped, unless `sinks=` are given: it shifts the keys against
+        them, so it is kept (as `[1, heads or 1, 1, 1]`; per query or per example it is
+        refused). A bias over
         queries and keys, or per example, and a boolean `mask` array are refused: they
         cannot be ring-sharded (the error says what to use).
     - `implementation`: refused; the kernel is chosen by `kernel=` and `device_type=`.

@@ -160,9 +160,12 @@ def _window_mask(is_causal: bool, local_window_size) -> AbstractMask | None:
     return _Window(left, right)
 
 
-def _bias_mod(bias, batch_shape, seq: int, heads: int) -> AbstractScoreMod | None:
+def _bias_mod(
+    bias, batch_shape, seq: int, heads: int, sinks: bool = False
+) -> AbstractScoreMod | None:
     """A bias that broadcasts over the queries, as a score modifier; None when it is
-    constant along the keys (softmax ignores it)."""
+    constant along the keys and there are no `sinks` (softmax ignores it then; with
+    sinks it shifts the keys against them, so it is kept)."""
     if bias is None:
         return None
     bias = jnp.asarray(bias)
@@ -175,10 +178,18 @@ def _bias_mod(bias, batch_shape, seq: int, heads: int) -> AbstractScoreMod | Non
             f"{(batch, heads, seq, seq)}; got shape {bias.shape}."
         )
     b, h, t, s = shape
-    if s == 1:
+    if s == 1 and not sinks:
         # Constant along the keys: it shifts every logit of a row alike, and softmax is
         # invariant to that (its gradient is zero too), so the exact answer ignores it.
         return None
+    if s == 1 and (t != 1 or b != 1):
+        raise ValueError(
+            f"`bias` of shape {bias.shape} is constant along the keys, which softmax "
+            "ignores, but not beside `sinks=`: it shifts every key against the sinks, "
+            "and per query or per example that cannot be ring-sharded. Shift the "
+            "sinks instead (`sinks - bias`, per head) or pass a bias of shape "
+            "[1, heads or 1, 1, 1]."
+        )
     if t != 1:
         raise ValueError(
             f"`bias` of shape {bias.shape} varies over queries and keys: it {_DENSE_WHY}"
@@ -189,7 +200,7 @@ def _bias_mod(bias, batch_shape, seq: int, heads: int) -> AbstractScoreMod | Non
             "`key_value_seq_lengths=` (exact, and sharded with the batch); any other "
             "per-example bias needs a score modifier that computes it from token records."
         )
-    return _KeyBias(bias.reshape(h, seq).astype(jnp.float32))
+    return _KeyBias(jnp.broadcast_to(bias.reshape(h, s), (h, seq)).astype(jnp.float32))
 
 
 def _length_ids(q_shape, q_lens, kv_lens) -> Int[Array, "*batch seq"]:
@@ -230,10 +241,11 @@ def _length_record(mask, segment_ids, span_ids, layout) -> str:
     )
 
 
-def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict):
+def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict, sinks=None):
     """`ring_attention`'s `mask, score_mod, segment_ids, span_ids` once the
     `jax.nn.dot_product_attention` names in `compat` are added to them (with `&` for
-    masks; a bias runs before the caller's `score_mod`)."""
+    masks; a bias runs before the caller's `score_mod`; `sinks`, the call's, keep a bias
+    constant along the keys that softmax alone would ignore)."""
     _refuse(compat["implementation"], mask)
     q_shape = q.shape  # a JAX array: the front door converts q/k/v first
     new = _window_mask(compat["is_causal"], compat["local_window_size"])
@@ -253,7 +265,9 @@ def translate(q, mask, score_mod, segment_ids, span_ids, layout, compat: dict):
         # A bias is indexed by the keys' original positions: as long as the sequence
         # (with a layout, its `seq_len`, whatever the order and padding of q).
         seq = q_shape[-3] if layout is None else layout.seq_len
-        bias = _bias_mod(compat["bias"], q_shape[:-3], seq, q_shape[-2])
+        bias = _bias_mod(
+            compat["bias"], q_shape[:-3], seq, q_shape[-2], sinks=sinks is not None
+        )
         if bias is not None:
             score_mod = bias if score_mod is None else Chain(bias, score_mod)
     return mask, score_mod, segment_ids, span_ids
