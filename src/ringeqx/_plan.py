@@ -23,7 +23,6 @@ from ._plan_model import (
     headroom,
     predict_attention,
     predict_lm,
-    regime,
     uncalibrated,
 )
 from ._report import HARDWARE, float_itemsize
@@ -384,21 +383,22 @@ def _search(cfg: Problem, remat: Remat | None, block: int | None) -> Plan | None
     for r in _remats(cfg, remat):
         for b in blocks:
             memory = predict(cfg, b, r, cfg.num_devices)
-            if _fits(cfg, memory, _headroom(cfg, b, r)):
+            if _fits(cfg, memory, cfg.num_devices):
                 return make_plan(cfg, b, r, memory, tiles=tiles)
     return None
 
 
-def _headroom(cfg: Problem, block: int, remat: Remat, num_devices: int | None = None) -> float:
-    """The model's headroom for `cfg` with these knobs (on `num_devices`, by default
-    its own): its kind's, or an LM step on one chip's (`headroom`)."""
-    problem = _problem(cfg, block, remat, num_devices or cfg.num_devices)
-    return headroom(cfg.kind, cfg.device, regime(problem))
+def _headroom(cfg: Problem, num_devices: int) -> float:
+    """The model's headroom for `cfg` on a ring of `num_devices`: its kind's, or an LM
+    step on one chip's."""
+    one_chip = cfg.batch_devices * num_devices == 1
+    return headroom(cfg.kind, cfg.device, one_chip=one_chip)
 
 
-def _fits(cfg: Problem, memory: MemoryBreakdown, spare: float) -> bool:
-    """Whether the prediction, with `spare` (the model's headroom), is within the budget."""
-    return memory.total * (1 + spare) <= cfg.max_memory_usage
+def _fits(cfg: Problem, memory: MemoryBreakdown, num_devices: int) -> bool:
+    """Whether the prediction on `num_devices`, with the model's headroom, is within the
+    budget."""
+    return memory.total * (1 + _headroom(cfg, num_devices)) <= cfg.max_memory_usage
 
 
 def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str:
@@ -408,7 +408,7 @@ def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str
     p, budget = cfg.num_devices, cfg.max_memory_usage
     least = predict(cfg, b, r, p)
     fixed = least.parameters + least.optimizer_state
-    spare = _headroom(cfg, b, r)
+    spare = _headroom(cfg, p)
     need = least.total * (1 + spare)
     head = (
         f"Nothing fits in max_memory_usage={budget / _MIB:,.1f} MiB per device: "
@@ -426,7 +426,7 @@ def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str
     while more < 2**16 * p:
         more *= 2
         memory = predict(cfg, b, r, more)
-        if _fits(cfg, memory, _headroom(cfg, b, r, more)):
+        if _fits(cfg, memory, more):
             return (
                 f"{head}. It fits on num_devices={more} ({memory.total / _MIB:,.1f} MiB "
                 f"per device), or raise max_memory_usage to {need / _MIB:,.1f} MiB."

@@ -389,23 +389,16 @@ def predict_lm(s: LMShapes) -> MemoryBreakdown:
     return MemoryBreakdown(**{k: int(math.ceil(v)) for k, v in parts.items()})
 
 
-def headroom(kind: str, device: str = "cpu", regime: str | None = None) -> float:
+def headroom(kind: str, device: str = "cpu", one_chip: bool = False) -> float:
     """How much more than predicted a program of `kind` (`"attention"` or `"lm"`) may
     compile to on `device`'s compiler: the largest under-prediction seen in calibrating
-    its family, with 2% to spare. On accelerators an LM step on one chip (`regime` a
-    `-p1` one) has its own, since its counts are fitted on their own: within 18% on one
-    chip, to -32% on rings of 4-64 v5p chips. (Attention keeps one for both: a ring's
-    own would have left a held-out program past it; so would one per regime.)"""
+    its family, with 2% to spare. On accelerators an LM step on one chip (`one_chip`)
+    has its own, since its counts (`lm-...-p1`) are fitted on their own: within 18% on
+    one chip, to -32% on rings of 4-64 v5p chips. (Attention keeps one for both: a
+    ring's own would have left a held-out program past it; so would one per regime.)"""
     table = HEADROOM.get(family(device), {})
-    one_chip = kind == "lm" and regime is not None and regime.endswith("-p1")
-    return table.get(f"{kind}-p1" if one_chip else kind, table.get(kind, 0.0))
-
-
-def regime(shapes: "Shapes | LMShapes") -> str:
-    """The calibration regime of a problem (its counts and headroom)."""
-    if isinstance(shapes, LMShapes):
-        return lm_regime(shapes)
-    return attention_regime(shapes)
+    key = f"{kind}-p1" if one_chip and kind == "lm" else kind
+    return table.get(key, table.get(kind, 0.0))
 
 
 def terms(shapes: "Shapes | LMShapes") -> tuple[dict[str, float], str, int]:
