@@ -337,12 +337,7 @@ def holdout_grid(family: str) -> list[dict]:
     first: Llama-3-70B's attention, 2 unrolled layers of its LM and 4 scanned, under each
     remat policy, on the family's 8-chip target."""
     target = _eight_and_four(family)[0]
-    common = dict(target=target, num_devices=8, batch_devices=1, batch=1, mask="causal")
-    out = [
-        dict(common, kind="attention", seq_len=per_chip * 8, heads=64, kv_heads=8,
-             head_dim=128, dtype="bfloat16", remat="none")
-        for per_chip in (32768, 65536)
-    ]  # fmt: skip
+    out = _attention_programs([(target, 8, (64, 8, 128), n) for n in (32768, 65536)])
     return out + _lm_steps([
         (target, 8, LLAMA_70B, 2, 4096, False), (target, 8, LLAMA_70B, 4, 8192, True),
     ])  # fmt: skip
@@ -355,12 +350,7 @@ def blind_grid(family: str) -> list[dict]:
     Llama-3-70B's on 4 chips, 4 scanned layers, under each remat policy; and Qwen2-72B's
     attention on 8 chips."""
     eight, four = _eight_and_four(family)
-    out = [
-        dict(kind="attention", target=eight, num_devices=8, batch_devices=1, batch=1,
-             seq_len=per_chip * 8, heads=64, kv_heads=8, head_dim=128, dtype="bfloat16",
-             mask="causal", remat="none")
-        for per_chip in (16384, 131072)
-    ]  # fmt: skip
+    out = _attention_programs([(eight, 8, (64, 8, 128), n) for n in (16384, 131072)])
     return out + _lm_steps([
         (eight, 8, QWEN2_72B, 2, 8192, False),
         (eight, 8, QWEN2_72B, 8, 4096, True),
