@@ -729,3 +729,42 @@ def test_tune_block_sizes_errors():
         rx.tune_block_sizes(
             rx.PallasTpuKernel(interpret=True), candidates=[(8, 100)], **kw
         )
+
+
+def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
+    # Mosaic prefetches a call's tile tables into SMEM (1 MiB), and they grow with
+    # query tiles x key tiles: a long shard runs as several calls over equal chunks of
+    # query tiles (libtpu refused 256K tokens a chip in one call). Shrunk here to a few
+    # bytes, so that these small cases split: every mask, several key tiles, GQA and
+    # bfloat16, and the ring, against the same references as one call.
+    from ringeqx._kernels import _pallas_common, _pallas_tpu
+
+    kernel = dict(KERNELS)["pallas_tpu"]
+    t = _pallas_common.Tiling(2, 8, 2, 64, SEQ, SEQ, 16, 128)  # 3 query tiles, 1 key
+
+    def split(stride):
+        s = _pallas_tpu._QuerySplit.of(t, jnp.zeros((2, 3, 1, stride)))
+        return s.calls, s.rows
+
+    # Block-sparse masks carry 7 per-tile operands (stride 8): 72 bytes a row of tiles,
+    # one row a call. The other masks (stride 1, 16 bytes a row) stay in one call here.
+    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 72)
+    assert [split(1), split(8)] == [(1, 3), (3, 1)]
+    names = [name for name, _ in ALL_MASKS]
+    pairs = [(factory(SEQ), None) for _, factory in ALL_MASKS]
+    _check_square(kernel, "masks", names, pairs, heads=8, kv_heads=2)
+
+    # 3 query tiles x 2 key tiles under `Causal() & Document()`: 32 bytes a row, so a
+    # call of 2 rows and one of the last.
+    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 64)
+    cases = _config_cases()
+    xla = _cached("configs-xla", lambda: _run(XLA, cases))
+    for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
+        _check(str(config), res, x, config[-1], "XlaKernel")
+
+    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 24)  # the ring's shards: 2 calls
+    test_in_ring(kernel)
+
+    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 8)
+    with pytest.raises(ValueError, match="one row of tiles' tables takes 16 bytes of SMEM"):
+        _pallas_tpu._QuerySplit.of(t, jnp.zeros((2, 3, 1, 1)))

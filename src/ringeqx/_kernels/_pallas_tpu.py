@@ -42,15 +42,23 @@ def kv_index_map(groups: int, num_q: int, num_kv: int):
     return index_map
 
 
-def q_index_map(groups: int, num_q: int, num_kv: int):
+def q_index_map(groups: int, num_q: int, num_kv: int, first: int = 0):
     """Index map of Q, dO, lse and delta in the dK/dV grid `(batch, kv head, key tile,
     query head in the group, query tile)`: query tile `i` of head `j * groups + gi`, or
-    for a skipped tile the block already resident."""
+    for a skipped tile the block already resident; counted from query tile `first`
+    (a call over some of the queries, `_QuerySplit`)."""
 
     def index_map(b, j, t, gi, i, run_ref, fetch_ref):
-        return b, j * groups + gi, fetch_ref[(b * num_kv + t) * num_q + i], 0
+        block = fetch_ref[(b * num_kv + t) * num_q + i]
+        return b, j * groups + gi, _shifted(block, first), 0
 
     return index_map
+
+
+def _shifted(tile, first: int):
+    """Query tile `tile` of a call whose first is `first` (0 but for the later calls
+    over some of the queries, `_QuerySplit`)."""
+    return tile + first if first else tile
 
 
 def tile_plan(table: Int[Array, "batch rows steps *stride"]) -> tuple[Array, Array]:
@@ -207,8 +215,11 @@ def _dkv_kernel(
     num_q: int,
     num_kv: int,
     groups: int,
+    carried: bool = False,
 ):
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-4]
+    # With `carried`, dK and dV so far (`_QuerySplit`) come in before the outputs and
+    # the accumulators start from them.
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask : len(refs) - 4 - 2 * carried]
     dk_ref, dv_ref, dk_acc, dv_acc = refs[-4:]
     b, t, i = pl.program_id(0), pl.program_id(2), pl.program_id(4)
     g = pl.program_id(3)
@@ -219,8 +230,11 @@ def _dkv_kernel(
 
     @pl.when(first)
     def _init():
-        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
-        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+        if carried:
+            dk_acc[...], dv_acc[...] = refs[-6][...], refs[-5][...]
+        else:
+            dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+            dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     @pl.when(rebuild_mask.runs(run_ref, tile))
     def _grads():
@@ -259,15 +273,16 @@ class _Maps(NamedTuple):
     head: Callable
 
 
-def _query_grid_maps(t: common.Tiling) -> _Maps:
-    """Maps of the forward and dQ grids `(batch, head, query tile, key tile)`."""
+def _query_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
+    """Maps of the forward and dQ grids `(batch, head, query tile, key tile)`, the
+    query side's counted from query tile `first` (`_shifted`)."""
     kv_map = kv_index_map(t.groups, t.num_q, t.num_kv)
 
     def q_map(b, h, i, j, *_):
-        return b, h, i, 0
+        return b, h, _shifted(i, first), 0
 
     def q_rec_map(b, h, i, j, *_):
-        return b, 0, i, 0
+        return b, 0, _shifted(i, first), 0
 
     def k_rec_map(b, h, i, j, *prefetch):
         return b, 0, 0, kv_map(b, h, i, j, *prefetch)[2]
@@ -278,11 +293,11 @@ def _query_grid_maps(t: common.Tiling) -> _Maps:
     return _Maps(q_map, kv_map, q_rec_map, k_rec_map, head_map)
 
 
-def _key_grid_maps(t: common.Tiling) -> _Maps:
+def _key_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
     """Maps of the dK/dV grid `(batch, kv head, key tile, query head in the group,
-    query tile)`."""
+    query tile)`; `first` as in `_query_grid_maps`."""
     groups = t.groups
-    q_map = q_index_map(groups, t.num_q, t.num_kv)
+    q_map = q_index_map(groups, t.num_q, t.num_kv, first)
 
     def k_map(b, j, s, gi, i, *_):
         return b, j, s, 0
@@ -329,7 +344,7 @@ _LARGE_SCOPED_VMEM = 64 * 2**20
 _MAX_SCOPED_VMEM = 56 * 2**20
 
 
-def _scoped_vmem(t: common.Tiling, itemsize: int) -> int:
+def _scoped_vmem(t: common.Tiling, itemsize: int, carried: bool = False) -> int:
     """Bytes of VMEM the largest of the three kernels holds for tiles `t`, from above.
 
     The sum of the float32 score tile and its three siblings of the backward (P, dP,
@@ -337,21 +352,27 @@ def _scoped_vmem(t: common.Tiling, itemsize: int) -> int:
     tokens' records across lanes; dK and dV accumulated in float32 (or dQ, whichever is
     larger); nine tenths of it, since Mosaic does not hold all of it at once: libtpu's
     figures are 75-97% of what this returns (v5e and v5p: 23.5 MiB for 1024 x 1024 tiles
-    at head_dim 128, 17.2-17.7 MiB for 512 x 1024 at 256, 19.0-19.4 for 512 x 2048)."""
+    at head_dim 128, 17.2-17.7 MiB for 512 x 1024 at 256, 19.0-19.4 for 512 x 2048).
+    With `carried`, dK and dV also come in (a dK/dV call after others, `_QuerySplit`):
+    two more float32 blocks, double-buffered, counted whole (512 x 1024 tiles at
+    head_dim 128 under `Document` took 16.42 MiB, past the default limit)."""
     bq, bk, d = t.block_q, t.block_kv, t.head_dim
     blocks = 2 * 2 * itemsize * d * (bq + bk)
     rows = 2 * 2 * 4 * bq * _LANES
     records = 2 * 4 * 4 * (bq * _LANES + _SUBLANES * bk)
     accumulators = max(24 * bk * d, 12 * bq * d)
-    return int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators))
+    carried_blocks = 2 * 2 * 4 * bk * d * carried
+    return int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators)) + carried_blocks
 
 
-def _vmem_limit(t: common.Tiling, inputs, interpret: bool) -> int | None:
+def _vmem_limit(
+    t: common.Tiling, inputs, interpret: bool, carried: bool = False
+) -> int | None:
     """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
     fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
     refuses them only when compiling, with a message about the kernel's internals)."""
     itemsize = inputs[0].dtype.itemsize
-    need = _scoped_vmem(t, itemsize)
+    need = _scoped_vmem(t, itemsize, carried)
     if interpret or need <= _DEFAULT_SCOPED_VMEM:
         return None
     if need > _MAX_SCOPED_VMEM:
@@ -369,10 +390,11 @@ def _vmem_limit(t: common.Tiling, inputs, interpret: bool) -> int | None:
 
 def _mosaic_call(
     kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name,
-    cost, vmem_limit,
+    cost, vmem_limit, aliases=None,
 ):
     """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
-    the last `sequential` grid axes accumulate into scratch ("arbitrary")."""
+    the last `sequential` grid axes accumulate into scratch ("arbitrary"); `aliases`
+    its `input_output_aliases` (inputs counted from the tables)."""
     semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
     return pl.pallas_call(
         kernel,
@@ -390,23 +412,54 @@ def _mosaic_call(
         interpret=interpret,
         name=name,
         cost_estimate=cost,
+        input_output_aliases=aliases or {},
     )
 
 
+class _Part(NamedTuple):
+    """Where a call over some of the queries (`_QuerySplit`) writes: from query tile
+    `first`, into outputs `length` queries long, those of the calls before it (`into`;
+    none for the first), which its outputs alias."""
+
+    first: int
+    length: int
+    into: tuple[Array, ...] = ()
+
+    def aliases(self, inputs, ops: common.Operands) -> dict[int, int]:
+        """`input_output_aliases`: the outputs alias the last inputs, `into` (the two
+        prefetched tables come first)."""
+        start = 2 + len(inputs) + len(ops.leaves)
+        return {start + n: n for n in range(len(self.into))}
+
+    def unread(self, kernel, inputs, ops: common.Operands):
+        """`kernel` without the refs of `into`, which it writes through its outputs."""
+        if not self.into:
+            return kernel
+        start = 2 + len(inputs) + len(ops.leaves)
+
+        def body(*refs):
+            return kernel(*refs[:start], *refs[start + len(self.into) :])
+
+        return body
+
+
 def _forward_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
 ) -> tuple[Array, Array]:
     """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
-    records, K records)`."""
-    maps = _query_grid_maps(t)
+    records, K records)`; for one of several calls (`part`), the whole queries' with
+    this call's tiles written."""
+    part = part or _Part(0, t.q_padded)
+    maps = _query_grid_maps(t, part.first)
     bq, d = t.block_q, t.head_dim
     kernel = functools.partial(
         _forward_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
     )
     return _mosaic_call(
-        kernel,
+        part.unread(kernel, inputs, ops),
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
-        in_specs=_in_specs(t, maps, ops, backward=False),
+        in_specs=_in_specs(t, maps, ops, backward=False)
+        + [pl.BlockSpec(memory_space=pl.ANY)] * len(part.into),
         out_specs=[
             pl.BlockSpec((None, None, bq, d), maps.q),
             pl.BlockSpec((None, None, bq, _LANES), maps.q),
@@ -417,30 +470,34 @@ def _forward_call(
             pltpu.VMEM((bq, d), jnp.float32),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, d), jnp.float32),
-            jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, _LANES), jnp.float32),
+            jax.ShapeDtypeStruct((t.batch, t.heads, part.length, d), jnp.float32),
+            jax.ShapeDtypeStruct((t.batch, t.heads, part.length, _LANES), jnp.float32),
         ],
         sequential=1,
         interpret=interpret,
         name="ringeqx_tpu_flash_forward",
         cost=common.cost_estimate(t, "forward", inputs),
         vmem_limit=_vmem_limit(t, inputs, interpret),
-    )(*plan, *inputs, *ops.leaves)
+        aliases=part.aliases(inputs, ops),
+    )(*plan, *inputs, *ops.leaves, *part.into)
 
 
 def _dq_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
 ) -> Array:
-    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid."""
-    maps = _query_grid_maps(t)
+    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid; `part`
+    as in `_forward_call`."""
+    part = part or _Part(0, t.q_padded)
+    maps = _query_grid_maps(t, part.first)
     kernel = functools.partial(
         _dq_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
     )
-    shape = (t.batch, t.heads, t.q_padded, t.head_dim)
+    shape = (t.batch, t.heads, part.length, t.head_dim)
     return _mosaic_call(
-        kernel,
+        part.unread(kernel, inputs, ops),
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
-        in_specs=_in_specs(t, maps, ops, backward=True),
+        in_specs=_in_specs(t, maps, ops, backward=True)
+        + [pl.BlockSpec(memory_space=pl.ANY)] * len(part.into),
         out_specs=pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q),
         scratch=[pltpu.VMEM((t.block_q, t.head_dim), jnp.float32)],
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
@@ -449,28 +506,34 @@ def _dq_call(
         name="ringeqx_tpu_flash_backward_dq",
         cost=common.cost_estimate(t, "dq", inputs),
         vmem_limit=_vmem_limit(t, inputs, interpret),
-    )(*plan, *inputs, *ops.leaves)
+        aliases=part.aliases(inputs, ops),
+    )(*plan, *inputs, *ops.leaves, *part.into)
 
 
 def _dkv_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool
+    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
 ) -> tuple[Array, Array]:
     """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs: a key
-    tile accumulates over the query tiles of every query head in its group."""
-    maps = _key_grid_maps(t)
+    tile accumulates over the query tiles of every query head in its group; for one of
+    several calls (`part`), over this call's query tiles, added to the calls' before
+    (`part.into`)."""
+    part = part or _Part(0, t.q_padded)
+    maps = _key_grid_maps(t, part.first)
+    carried = bool(part.into)
     kernel = functools.partial(
         _dkv_kernel,
         **ops.kernel_args,
         num_q=t.num_q,
         num_kv=t.num_kv,
         groups=t.groups,
+        carried=carried,
     )
     block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
     shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
     return _mosaic_call(
         kernel,
         grid=(t.batch, t.kv_heads, t.num_kv, t.groups, t.num_q),
-        in_specs=_in_specs(t, maps, ops, backward=True),
+        in_specs=_in_specs(t, maps, ops, backward=True) + [block] * len(part.into),
         out_specs=[block, block],
         scratch=[pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32)] * 2,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
@@ -478,8 +541,64 @@ def _dkv_call(
         interpret=interpret,
         name="ringeqx_tpu_flash_backward_dkv",
         cost=common.cost_estimate(t, "dkv", inputs),
-        vmem_limit=_vmem_limit(t, inputs, interpret),
-    )(*plan, *inputs, *ops.leaves)
+        vmem_limit=_vmem_limit(t, inputs, interpret, carried),
+        aliases=part.aliases(inputs, ops),
+    )(*plan, *inputs, *ops.leaves, *part.into)
+
+
+# SMEM the two tile tables of one call (`tile_plan`) may take. libtpu gives a kernel
+# 1 MiB of SMEM on v5e, v5p and v6e, and refuses a call whose tables fill it ("Ran out of
+# memory in memory space smem"): with the default 512 x 1024 tiles, at 256K tokens a
+# shard (two tables of 512 x 256 int32 entries each). Half of it keeps shards up to
+# about 180K tokens (batch 1, `Causal`) in one call, as before.
+_TABLE_SMEM = 512 * 1024
+
+
+class _QuerySplit(NamedTuple):
+    """How a kernel's calls split the query tiles so that each call's tile tables fit
+    in SMEM: `calls` calls over `rows` query tiles each (the last over the rest) of
+    `whole`, the tiling of all of them. The tables grow with query tiles x key tiles,
+    so a long shard takes more calls, each with tables of at most the same size. The
+    calls read the whole inputs and write into the whole outputs, each at its own query
+    tiles, so nothing is copied or padded."""
+
+    whole: common.Tiling
+    rows: int
+    calls: int
+
+    @classmethod
+    def of(cls, t: common.Tiling, table: Array) -> "_QuerySplit":
+        stride = table.shape[-1]
+        per_row = 4 * (stride + 1) * t.batch * t.num_kv  # both tables' int32 entries
+        rows = _TABLE_SMEM // per_row
+        if rows >= t.num_q:
+            return cls(t, t.num_q, 1)
+        if rows == 0:
+            raise ValueError(
+                f"PallasTpuKernel: one row of tiles' tables takes {per_row} bytes of SMEM "
+                f"(batch {t.batch} x {t.num_kv} key tiles of {t.block_kv} x {stride + 1} "
+                f"int32 entries); expected at most {_TABLE_SMEM}: use fewer examples a "
+                f"device or a larger `block_kv`."
+            )
+        calls = -(-t.num_q // rows)
+        return cls(t, -(-t.num_q // calls), calls)  # as even as whole tiles allow
+
+    def run(self, table: Array, call):
+        """`call(tiling, table, part)` (the call's tiling, table and `_Part`, None for
+        a single call) once per chunk of query tiles, each call writing into the
+        outputs of the one before. The calls are unrolled: a loop's carry would take
+        a layout of its own, and libtpu copied the outputs in and out of it (4.8 GB
+        more at 192K tokens a shard)."""
+        t = self.whole
+        if self.calls == 1:
+            return call(t, table, None)
+        outputs = ()
+        for first in range(0, t.num_q, self.rows):
+            rows = min(self.rows, t.num_q - first)
+            tc = t._replace(q_len=rows * t.block_q)
+            part = _Part(first, t.q_padded, tuple(outputs))
+            outputs = call(tc, table[:, first : first + rows], part)
+        return outputs
 
 
 class PallasTpuKernel(AbstractAttentionKernel):
@@ -510,7 +629,11 @@ class PallasTpuKernel(AbstractAttentionKernel):
     error when traced.
 
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
-    `interpret=True`. Sequences are padded to whole tiles, the padding masked.
+    `interpret=True`. Sequences are padded to whole tiles, the padding masked. The tile
+    tables grow with query tiles x key tiles; where a shard's would overflow SMEM (1 MiB,
+    about 240K tokens a shard with the default tiles), each kernel runs as several calls
+    over runs of query tiles, each writing its rows of the same outputs (dK and dV
+    accumulated across them), so a shard's length is bounded by HBM alone.
     `BlockSparse` (alone or combined) runs from per-tile windows of its map, prefetched
     into SMEM with the tile table (`AbstractMask.tile_local`), exact when traced where
     the records' runs (`TokenInfo.runs`, from the layout) bound every tile; elsewhere
@@ -603,13 +726,21 @@ class PallasTpuKernel(AbstractAttentionKernel):
             t = self._tiling(q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            plan = tile_plan(table)
+            split = _QuerySplit.of(t, table)
+            qp, kp, vp = common.pad_qkv(t, q, k, v)
             inputs = (
-                *common.pad_qkv(t, q, k, v),
+                qp,
+                kp,
+                vp,
                 _q_records(q_info, t.q_padded),
                 _k_records(kv_info, t.kv_padded),
             )
-            out, lse = _forward_call(t, ops, plan, inputs, self.interpret)
+
+            def call(tc, table_c, part):
+                plan = tile_plan(table_c)
+                return _forward_call(tc, ops, plan, inputs, self.interpret, part)
+
+            out, lse = split.run(table, call)
             return out[:, :, : t.q_len], lse[:, :, : t.q_len, 0]
 
     def backward(
@@ -634,6 +765,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
             t = self._tiling(q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
+            split = _QuerySplit.of(t, table)
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
@@ -646,7 +778,15 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 _q_records(q_info, t.q_padded),
                 _k_records(kv_info, t.kv_padded),
             )
-            dq = _dq_call(t, ops, tile_plan(table), inputs, self.interpret)
-            plan_k = tile_plan(jnp.swapaxes(table, 1, 2))
-            dk, dv = _dkv_call(t, ops, plan_k, inputs, self.interpret)
+
+            def call(tc, table_c, part):
+                # dQ writes into dQ so far, dK/dV add to dK and dV so far.
+                dq_part = part and part._replace(into=part.into[:1])
+                dkv_part = part and part._replace(into=part.into[1:])
+                dq = _dq_call(tc, ops, tile_plan(table_c), inputs, self.interpret, dq_part)
+                plan_k = tile_plan(jnp.swapaxes(table_c, 1, 2))
+                dk, dv = _dkv_call(tc, ops, plan_k, inputs, self.interpret, dkv_part)
+                return dq, dk, dv
+
+            dq, dk, dv = split.run(table, call)
             return common.trim_grads(t, dq, dk, dv)
