@@ -213,6 +213,27 @@ def state_bytes(plan: Plan) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 
+# libtpu's refusals of a kernel's on-chip memory (its scoped VMEM, or SMEM), unlike
+# HBM's ("Ran out of memory on HBM"): a longer or shorter context does not change them.
+_ON_CHIP = ("memory space vmem", "memory space smem", "ScopedVmemOom")
+
+
+def _check_on_chip_memory(error: Exception, plan: Plan) -> None:
+    """A ValueError where the compiler refused a kernel's on-chip memory rather than the
+    chip's HBM: not a length that does not fit (which the planner would answer by
+    shortening the sequence) but tiles the kernel cannot hold."""
+    text = str(error)
+    said = next((line for line in text.splitlines() if any(k in line for k in _ON_CHIP)), None)
+    if said is None:
+        return
+    raise ValueError(
+        f"Compiling for {plan.target}, a kernel ran out of the chip's on-chip memory, not "
+        f"of HBM: {said.strip()[:300]} (tiles `block_q`={plan.block_q} x "
+        f"`block_kv`={plan.block_kv}, head_dim {plan.head_dim}). No context length "
+        "changes this; expected the kernel to fit its tiles: please report it."
+    ) from error
+
+
 def _check_state(cfg: Problem, plan: Plan) -> None:
     """A NoFit, before any compile, when the LM's parameters and Adam state alone exceed
     the budget: no context, remat or tile can fit then."""
@@ -253,6 +274,7 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
             # A program larger than the chip: the compiler refuses it (RESOURCE_EXHAUSTED).
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
+            _check_on_chip_memory(e, plan)
             seconds += time.perf_counter() - start
             said = str(e).strip().splitlines()[0][:200]
             tried.append(f"remat={remat!r}: refused by the compiler ({said})")
