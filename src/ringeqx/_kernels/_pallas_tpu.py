@@ -444,7 +444,12 @@ class _Part(NamedTuple):
 
 
 def _forward_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
+    t: common.Tiling,
+    ops: common.Operands,
+    plan,
+    inputs,
+    interpret: bool,
+    part: _Part | None = None,
 ) -> tuple[Array, Array]:
     """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
     records, K records)`; for one of several calls (`part`), the whole queries' with
@@ -483,7 +488,12 @@ def _forward_call(
 
 
 def _dq_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
+    t: common.Tiling,
+    ops: common.Operands,
+    plan,
+    inputs,
+    interpret: bool,
+    part: _Part | None = None,
 ) -> Array:
     """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid; `part`
     as in `_forward_call`."""
@@ -511,7 +521,12 @@ def _dq_call(
 
 
 def _dkv_call(
-    t: common.Tiling, ops: common.Operands, plan, inputs, interpret: bool, part=None
+    t: common.Tiling,
+    ops: common.Operands,
+    plan,
+    inputs,
+    interpret: bool,
+    part: _Part | None = None,
 ) -> tuple[Array, Array]:
     """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs: a key
     tile accumulates over the query tiles of every query head in its group; for one of
