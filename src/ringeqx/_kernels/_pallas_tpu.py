@@ -3,7 +3,7 @@ backward."""
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -388,83 +388,91 @@ def _vmem_limit(
     return _LARGE_SCOPED_VMEM
 
 
-def _mosaic_call(
-    kernel, grid, in_specs, out_specs, scratch, out_shape, sequential, interpret, name,
-    cost, vmem_limit, aliases=None,
-):
-    """A `pallas_call` whose first two inputs (`tile_plan`) are prefetched into SMEM;
-    the last `sequential` grid axes accumulate into scratch ("arbitrary"); `aliases`
-    its `input_output_aliases` (inputs counted from the tables)."""
-    semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=scratch,
-        ),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=semantics, vmem_limit_bytes=vmem_limit
-        ),
-        interpret=interpret,
-        name=name,
-        cost_estimate=cost,
-        input_output_aliases=aliases or {},
-    )
-
-
 class _Part(NamedTuple):
-    """Where a call over some of the queries (`_QuerySplit`) writes: from query tile
-    `first`, into outputs `length` queries long, those of the calls before it (`into`;
-    none for the first), which its outputs alias."""
+    """Which queries a call covers: from query tile `first` of outputs `length` queries
+    long. A call over some of them (`_QuerySplit`) writes into the outputs of the calls
+    before it, `into` (none for the first), which its outputs alias."""
 
     first: int
     length: int
     into: tuple[Array, ...] = ()
 
-    def aliases(self, inputs, ops: common.Operands) -> dict[int, int]:
-        """`input_output_aliases`: the outputs alias the last inputs, `into` (the two
-        prefetched tables come first)."""
+
+# The kernels' names, and the grid axes (last) each accumulates over.
+_KERNELS = {"forward": ("forward", 1), "dq": ("backward_dq", 1), "dkv": ("backward_dkv", 2)}
+
+
+def _without_refs(kernel, start: int, count: int):
+    """`kernel`, called without the `count` refs from `start` on."""
+
+    def body(*refs):
+        return kernel(*refs[:start], *refs[start + count :])
+
+    return body
+
+
+class _Call(NamedTuple):
+    """One `pallas_call` of a kernel (`kind`) on tiles `t`: its two tables (`tile_plan`),
+    prefetched into SMEM; its array inputs and the mask's and modifier's operands; the
+    `_Part` of the queries it covers."""
+
+    t: common.Tiling
+    kind: Literal["forward", "dq", "dkv"]
+    plan: tuple[Array, Array]
+    inputs: tuple[Array, ...]
+    ops: common.Operands
+    part: _Part
+    interpret: bool
+
+    def __call__(self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_spec=None):
+        """Run `kernel`, the last grid axes of its kind sequential ("arbitrary",
+        accumulating into scratch). Its outputs alias `part.into`, which follow the
+        other inputs: read through `into_spec` blocks where given (dK and dV carried),
+        else left in HBM and hidden from the kernel, which writes them through its
+        outputs."""
+        name, sequential = _KERNELS[self.kind]
+        into, inputs, ops = self.part.into, self.inputs, self.ops
         start = 2 + len(inputs) + len(ops.leaves)
-        return {start + n: n for n in range(len(self.into))}
+        if into and into_spec is None:
+            kernel = _without_refs(kernel, start, len(into))
+        spec = into_spec or pl.BlockSpec(memory_space=pl.ANY)
+        carried = bool(into) and into_spec is not None
+        semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=2,
+                grid=grid,
+                in_specs=in_specs + [spec] * len(into),
+                out_specs=out_specs,
+                scratch_shapes=scratch,
+            ),
+            out_shape=out_shape,
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=semantics,
+                vmem_limit_bytes=_vmem_limit(self.t, inputs, self.interpret, carried),
+            ),
+            interpret=self.interpret,
+            name=f"ringeqx_tpu_flash_{name}",
+            cost_estimate=common.cost_estimate(self.t, self.kind, inputs),
+            input_output_aliases={start + n: n for n in range(len(into))},
+        )(*self.plan, *inputs, *ops.leaves, *into)
 
-    def unread(self, kernel, inputs, ops: common.Operands):
-        """`kernel` without the refs of `into`, which it writes through its outputs."""
-        if not self.into:
-            return kernel
-        start = 2 + len(inputs) + len(ops.leaves)
 
-        def body(*refs):
-            return kernel(*refs[:start], *refs[start + len(self.into) :])
-
-        return body
-
-
-def _forward_call(
-    t: common.Tiling,
-    ops: common.Operands,
-    plan,
-    inputs,
-    interpret: bool,
-    part: _Part | None = None,
-) -> tuple[Array, Array]:
+def _forward_call(c: _Call) -> tuple[Array, Array]:
     """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
-    records, K records)`; for one of several calls (`part`), the whole queries' with
-    this call's tiles written."""
-    part = part or _Part(0, t.q_padded)
-    maps = _query_grid_maps(t, part.first)
+    records, K records)`, the queries `c.part` covers written."""
+    t = c.t
+    maps = _query_grid_maps(t, c.part.first)
     bq, d = t.block_q, t.head_dim
+    rows = (t.batch, t.heads, c.part.length)
     kernel = functools.partial(
-        _forward_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
+        _forward_kernel, **c.ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
     )
-    return _mosaic_call(
-        part.unread(kernel, inputs, ops),
+    return c(
+        kernel,
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
-        in_specs=_in_specs(t, maps, ops, backward=False)
-        + [pl.BlockSpec(memory_space=pl.ANY)] * len(part.into),
+        in_specs=_in_specs(t, maps, c.ops, backward=False),
         out_specs=[
             pl.BlockSpec((None, None, bq, d), maps.q),
             pl.BlockSpec((None, None, bq, _LANES), maps.q),
@@ -475,90 +483,56 @@ def _forward_call(
             pltpu.VMEM((bq, d), jnp.float32),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((t.batch, t.heads, part.length, d), jnp.float32),
-            jax.ShapeDtypeStruct((t.batch, t.heads, part.length, _LANES), jnp.float32),
+            jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
+            jax.ShapeDtypeStruct(rows + (_LANES,), jnp.float32),
         ],
-        sequential=1,
-        interpret=interpret,
-        name="ringeqx_tpu_flash_forward",
-        cost=common.cost_estimate(t, "forward", inputs),
-        vmem_limit=_vmem_limit(t, inputs, interpret),
-        aliases=part.aliases(inputs, ops),
-    )(*plan, *inputs, *ops.leaves, *part.into)
-
-
-def _dq_call(
-    t: common.Tiling,
-    ops: common.Operands,
-    plan,
-    inputs,
-    interpret: bool,
-    part: _Part | None = None,
-) -> Array:
-    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid; `part`
-    as in `_forward_call`."""
-    part = part or _Part(0, t.q_padded)
-    maps = _query_grid_maps(t, part.first)
-    kernel = functools.partial(
-        _dq_kernel, **ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
     )
-    shape = (t.batch, t.heads, part.length, t.head_dim)
-    return _mosaic_call(
-        part.unread(kernel, inputs, ops),
+
+
+def _dq_call(c: _Call) -> Array:
+    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid, the
+    queries `c.part` covers written."""
+    t = c.t
+    maps = _query_grid_maps(t, c.part.first)
+    kernel = functools.partial(
+        _dq_kernel, **c.ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
+    )
+    shape = (t.batch, t.heads, c.part.length, t.head_dim)
+    return c(
+        kernel,
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
-        in_specs=_in_specs(t, maps, ops, backward=True)
-        + [pl.BlockSpec(memory_space=pl.ANY)] * len(part.into),
+        in_specs=_in_specs(t, maps, c.ops, backward=True),
         out_specs=pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q),
         scratch=[pltpu.VMEM((t.block_q, t.head_dim), jnp.float32)],
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
-        sequential=1,
-        interpret=interpret,
-        name="ringeqx_tpu_flash_backward_dq",
-        cost=common.cost_estimate(t, "dq", inputs),
-        vmem_limit=_vmem_limit(t, inputs, interpret),
-        aliases=part.aliases(inputs, ops),
-    )(*plan, *inputs, *ops.leaves, *part.into)
+    )
 
 
-def _dkv_call(
-    t: common.Tiling,
-    ops: common.Operands,
-    plan,
-    inputs,
-    interpret: bool,
-    part: _Part | None = None,
-) -> tuple[Array, Array]:
+def _dkv_call(c: _Call) -> tuple[Array, Array]:
     """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs: a key
-    tile accumulates over the query tiles of every query head in its group; for one of
-    several calls (`part`), over this call's query tiles, added to the calls' before
-    (`part.into`)."""
-    part = part or _Part(0, t.q_padded)
-    maps = _key_grid_maps(t, part.first)
-    carried = bool(part.into)
+    tile accumulates over the query tiles `c.part` covers of every query head in its
+    group, from the dK and dV of the calls before (`c.part.into`) if any."""
+    t = c.t
+    maps = _key_grid_maps(t, c.part.first)
     kernel = functools.partial(
         _dkv_kernel,
-        **ops.kernel_args,
+        **c.ops.kernel_args,
         num_q=t.num_q,
         num_kv=t.num_kv,
         groups=t.groups,
-        carried=carried,
+        carried=bool(c.part.into),
     )
     block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
     shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
-    return _mosaic_call(
+    return c(
         kernel,
         grid=(t.batch, t.kv_heads, t.num_kv, t.groups, t.num_q),
-        in_specs=_in_specs(t, maps, ops, backward=True) + [block] * len(part.into),
+        in_specs=_in_specs(t, maps, c.ops, backward=True),
         out_specs=[block, block],
         scratch=[pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32)] * 2,
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
-        sequential=2,
-        interpret=interpret,
-        name="ringeqx_tpu_flash_backward_dkv",
-        cost=common.cost_estimate(t, "dkv", inputs),
-        vmem_limit=_vmem_limit(t, inputs, interpret, carried),
-        aliases=part.aliases(inputs, ops),
-    )(*plan, *inputs, *ops.leaves, *part.into)
+        into_spec=block,
+    )
 
 
 # SMEM the two tile tables of one call (`tile_plan`) may take. libtpu gives a kernel
@@ -599,14 +573,14 @@ class _QuerySplit(NamedTuple):
         return cls(t, -(-t.num_q // calls), calls)  # as even as whole tiles allow
 
     def run(self, table: Array, call):
-        """`call(tiling, table, part)` (the call's tiling, table and `_Part`, None for
-        a single call) once per chunk of query tiles, each call writing into the
-        outputs of the one before. The calls are unrolled: a loop's carry would take
-        a layout of its own, and libtpu copied the outputs in and out of it (4.8 GB
-        more at 192K tokens a shard)."""
+        """`call(tiling, table, part)` (the call's tiling, table and `_Part`) once per
+        chunk of query tiles, each call writing into the outputs of the one before.
+        The calls are unrolled: a loop's carry would take a layout of its own, and
+        libtpu copied the outputs in and out of it (4.8 GB more at 192K tokens a
+        shard)."""
         t = self.whole
         if self.calls == 1:
-            return call(t, table, None)
+            return call(t, table, _Part(0, t.q_padded))
         outputs = ()
         for first in range(0, t.num_q, self.rows):
             rows = min(self.rows, t.num_q - first)
@@ -752,8 +726,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
             )
 
             def call(tc, table_c, part):
-                plan = tile_plan(table_c)
-                return _forward_call(tc, ops, plan, inputs, self.interpret, part)
+                c = _Call(tc, "forward", tile_plan(table_c), inputs, ops, part, self.interpret)
+                return _forward_call(c)
 
             out, lse = split.run(table, call)
             return out[:, :, : t.q_len], lse[:, :, : t.q_len, 0]
@@ -796,11 +770,15 @@ class PallasTpuKernel(AbstractAttentionKernel):
 
             def call(tc, table_c, part):
                 # dQ writes into dQ so far, dK/dV add to dK and dV so far.
-                dq_part = part and part._replace(into=part.into[:1])
-                dkv_part = part and part._replace(into=part.into[1:])
-                dq = _dq_call(tc, ops, tile_plan(table_c), inputs, self.interpret, dq_part)
+                dq = _dq_call(
+                    _Call(tc, "dq", tile_plan(table_c), inputs, ops,
+                          part._replace(into=part.into[:1]), self.interpret)
+                )  # fmt: skip
                 plan_k = tile_plan(jnp.swapaxes(table_c, 1, 2))
-                dk, dv = _dkv_call(tc, ops, plan_k, inputs, self.interpret, dkv_part)
+                dk, dv = _dkv_call(
+                    _Call(tc, "dkv", plan_k, inputs, ops,
+                          part._replace(into=part.into[1:]), self.interpret)
+                )  # fmt: skip
                 return dq, dk, dv
 
             dq, dk, dv = split.run(table, call)
