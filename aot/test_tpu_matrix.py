@@ -184,7 +184,7 @@ def test_ring_forward_and_grad_every_mask(target):
 # one call ("Ran out of memory in memory space smem"). The kernels now run as several
 # calls over the query tiles, writing into one set of outputs: at 256K tokens and the
 # default tiles, two calls of each kernel. Nothing is copied between them: its temp is
-# twice 128K tokens' (one call each), within the 4% the ring measured (docs/kernels.md).
+# twice 128K tokens' (one call each); on 8 chips the ring's split cost 3.9% (RESULTS.md).
 # v5e, v5p and v6e alike: each refused 256K tokens in one call (1 MiB of SMEM).
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_shard_past_smem_runs_as_several_calls_without_copies(target):
