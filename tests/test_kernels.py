@@ -743,7 +743,7 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
     t = _pallas_common.Tiling(2, 8, 2, 64, SEQ, SEQ, 16, 128)  # 3 query tiles, 1 key
 
     def split(stride):
-        s = _pallas_tpu._QuerySplit.of(t, jnp.zeros((2, 3, 1, stride)))
+        s = _pallas_tpu._QuerySplit.of(t, stride)
         return s.calls, s.rows
 
     # Block-sparse masks carry 7 per-tile operands (stride 8): 72 bytes a row of tiles,
@@ -767,4 +767,4 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
 
     monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 8)
     with pytest.raises(ValueError, match="one row of tiles' tables takes 16 bytes of SMEM"):
-        _pallas_tpu._QuerySplit.of(t, jnp.zeros((2, 3, 1, 1)))
+        _pallas_tpu._QuerySplit.of(t, 1)

@@ -556,8 +556,8 @@ class _QuerySplit(NamedTuple):
     calls: int
 
     @classmethod
-    def of(cls, t: common.Tiling, table: Array) -> "_QuerySplit":
-        stride = table.shape[-1]
+    def of(cls, t: common.Tiling, stride: int) -> "_QuerySplit":
+        """The split of tiles `t` whose tile table holds `stride` entries a pair."""
         per_row = 4 * (stride + 1) * t.batch * t.num_kv  # both tables' int32 entries
         rows = _TABLE_SMEM // per_row
         if rows >= t.num_q:
@@ -715,7 +715,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
             t = self._tiling(q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            split = _QuerySplit.of(t, table)
+            split = _QuerySplit.of(t, table.shape[-1])
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             inputs = (
                 qp,
@@ -754,7 +754,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
             t = self._tiling(q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            split = _QuerySplit.of(t, table)
+            split = _QuerySplit.of(t, table.shape[-1])
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
