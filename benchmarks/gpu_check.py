@@ -5,6 +5,8 @@ On a GPU (the Triton kernel) or a TPU (the Mosaic kernel), compiled for it, this
 1. runs the kernel contract at real sizes: every kernel's `out`, `lse` and gradients
    against a dense float32 answer, for several masks, GQA 4:1, head_dim 64 and 128,
    bfloat16 (4K tokens; the dense answer needs the full score matrix);
+   on a TPU also shards of 256K and 384K tokens, past what one Mosaic call's SMEM tile
+   tables hold, where the kernel runs as several calls: against the XLA kernel;
 2. times each kernel's forward and forward+backward on one device, for 8K and 32K
    tokens, bfloat16, head_dim 64 and 128, causal and not, next to
    `jax.nn.dot_product_attention` (cuDNN where JAX has it), and prints TFLOP/s.
@@ -294,6 +296,54 @@ def run_ring(cfg, failures) -> None:
     print(f"| {length} | causal & document | {cells} | {'yes' if ok else 'NO'} |")
 
 
+def run_long_shard(kernels, cfg, failures) -> None:
+    """A shard past what one Mosaic call's SMEM tile tables hold (libtpu refused 256K
+    tokens a chip in one call): the TPU kernel runs as several calls over runs of query
+    tiles, here against the XLA kernel (checked against the dense answer above) on the
+    same inputs, with the calls counted, the chip's compiled temp, and the time."""
+    pallas, xla = kernels["pallas_tpu"], kernels["xla"]
+    print(
+        f"\n## Long shards: the TPU kernel as several calls (batch {cfg['batch']}, heads "
+        f"{cfg['long_heads'][0]}:{cfg['long_heads'][1]}, head_dim 128, causal & document; "
+        "relative max error vs the XLA kernel)\n"
+    )
+    print(
+        "| tokens | pallas_calls | out | lse | dq | dk | dv | ok | temp GiB "
+        "| fwd+bwd ms | xla fwd+bwd ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for length in cfg["long_lengths"]:
+        info = records(cfg["batch"], length, doc=length // 3 + 1)
+        args = problem(jax.random.key(length), cfg["batch"], *cfg["long_heads"], length,
+                       128, cfg["dtype"])  # fmt: skip
+        mask = rx.Causal() & rx.Document()
+        try:
+            _, fwd_bwd = kernel_fns(pallas, info, mask)
+            calls = str(jax.make_jaxpr(fwd_bwd)(*args)).count("pallas_call")
+            compiled = fwd_bwd.lower(*args).compile()
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            got = compiled(*args)
+            t_got = seconds(compiled, args, cfg["repeats"])
+            _, ref_fwd_bwd = kernel_fns(xla, info, mask)
+            want = ref_fwd_bwd(*args)
+            t_want = seconds(ref_fwd_bwd, args, cfg["repeats"])
+        except Exception as e:  # noqa: BLE001 - reported and counted as failed
+            failures.append(f"long shard {length}: {e!r}")
+            traceback.print_exc(file=sys.stderr)
+            print(f"| {length} | error: {type(e).__name__} |")
+            continue
+        flat = lambda r: (r[0], r[1], *r[2])  # noqa: E731
+        errs = [rel_error(g, w) for g, w in zip(flat(got), flat(want))]
+        ok = all(e < cfg["tol"] for e in errs)
+        if not ok:
+            failures.append(f"long shard {length}: {errs}")
+        cells = " | ".join(f"{e:.1e}" for e in errs)
+        print(
+            f"| {length} | {calls} | {cells} | {'yes' if ok else 'NO'} | "
+            f"{temp / 2**30:.2f} | {1e3 * t_got:.1f} | {1e3 * t_want:.1f} |"
+        )
+
+
 def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
     print(
         f"\n## Speed (one device, batch {cfg['batch']}, heads {cfg['heads']}:"
@@ -441,6 +491,9 @@ def main(argv=None) -> int:
             lengths=(8192, 32768),
             repeats=5,
             tol=3e-2,
+            # 256K tokens: two calls of each kernel; 384K: three.
+            long_lengths=(262144, 393216),
+            long_heads=(4, 2),
         )
         pallas = f"pallas_{platform}"
         kernels = {
@@ -465,6 +518,8 @@ def main(argv=None) -> int:
     if not args.skip_checks:
         run_checks(kernels, cfg, failures)
         run_ring(cfg, failures)
+        if platform == "tpu" and not tiny:
+            run_long_shard(kernels, cfg, failures)
     if not args.skip_bench:
         run_bench(kernels, cfg, dpa_impl, dpa_label, failures)
     if failures:
