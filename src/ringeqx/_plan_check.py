@@ -213,9 +213,15 @@ def state_bytes(plan: Plan) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 
-# libtpu's refusals of a kernel's on-chip memory (its scoped VMEM, or SMEM), unlike
-# HBM's ("Ran out of memory on HBM"): a longer or shorter context does not change them.
-_ON_CHIP = ("memory space vmem", "memory space smem", "ScopedVmemOom")
+# The compilers' refusals of a kernel's on-chip memory, unlike HBM's ("Ran out of memory
+# on HBM"): libtpu's for a Mosaic kernel's scoped VMEM or SMEM, XLA's CUDA compiler's for
+# a Triton kernel's shared memory. A longer or shorter context does not change them.
+_ON_CHIP = (
+    "memory space vmem",
+    "memory space smem",
+    "ScopedVmemOom",
+    "Shared memory size limit exceeded",
+)
 
 
 def _check_on_chip_memory(error: Exception, plan: Plan) -> None:
