@@ -28,6 +28,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxtyping import Array, Bool, Float, Int
 
 import ringeqx as rx
+from ringeqx._kernels import _pallas_tiles as tiles
 from ringeqx._kernels._select import resolve_device_type
 
 
@@ -351,6 +352,31 @@ def test_skips_tiles(kernel):
     want = _dense(Case(hq, hk[:, :, :n], hv[:, :, :n], info, cut, rx.Full(), None, hq))
     _close("out", first_out, want[0], 2e-5)
     _lse_close("lse", first_lse, want[1], 2e-5)
+
+
+def test_tile_table_marks_dense_tiles():
+    # The Pallas kernels' tile table: 0 skipped, 1 masked, 2 dense (every pair attends:
+    # the TPU kernel leaves the elementwise mask out). 30 tokens in 4 tiles of 8, the
+    # last tile padded.
+    info = tiles.pad_info(_records(2, 30), 32)
+
+    def table(mask, block=8):
+        return np.asarray(tiles.tile_mask(mask, info, info, 32, block, 32, block)[0][..., 0])
+
+    # Causal: below the diagonal dense unless padded, on it masked, above it skipped.
+    causal = np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(table(rx.Causal()), [causal, causal])
+    np.testing.assert_array_equal(table(rx.Full())[0], [[2, 2, 2, 1]] * 3 + [[1] * 4])
+    # Packed documents, tiles of 4: a tile pair is dense exactly where its every pair
+    # of tokens attends, and runs wherever one pair does.
+    mask = rx.Causal() & rx.Document()
+    got = table(mask, 4)
+    q = jax.tree.map(lambda x: x[:, :, None], info)
+    k = jax.tree.map(lambda x: x[:, None, :], info)
+    pairs = np.asarray(mask.allows(q, k) & q.valid & k.valid).reshape(2, 8, 4, 8, 4)
+    np.testing.assert_array_equal(got == 2, pairs.all(axis=(2, 4)))
+    assert np.all(got[pairs.any(axis=(2, 4))] != 0)
+    assert (got == 2).any() and (got == 1).any()
 
 
 @pytest.mark.parametrize("kernel", PALLAS, ids=KERNEL_IDS[1:])

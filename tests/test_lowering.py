@@ -311,7 +311,9 @@ def test_tpu_causal_skipped_tiles_fetch_the_resident_block():
     info = _records(1, n * block)
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
     run = tiles.tile_mask(rx.Causal(), info, info, n * block, block, n * block, block)[0][..., 0]
-    np.testing.assert_array_equal(run[0], np.tril(np.ones((n, n), np.int32)))
+    # Tiles on the diagonal run masked (1), those below it dense (2).
+    ones = np.ones((n, n), np.int32)
+    np.testing.assert_array_equal(run[0], np.tril(ones) + np.tril(ones, -1))
 
     # Forward / dQ: row i sweeps key tiles j; after the diagonal it keeps tile i.
     forward = kv_index_map(1, n, n)
@@ -340,7 +342,8 @@ def test_tpu_block_sparse_skipped_tiles_fetch_the_resident_block():
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
     mask = rx.BlockSparse(jnp.asarray(pattern), block)
     run = tiles.tile_mask(mask, info, info, n * block, block, n * block, block)[0][..., 0]
-    np.testing.assert_array_equal(run[0], pattern.astype(np.int32))
+    # Tiles of the map's blocks: each set block is a dense tile (2).
+    np.testing.assert_array_equal(run[0], 2 * pattern.astype(np.int32))
 
     got = _fetched(
         kv_index_map(1, n, n), [[(i, j) for j in range(n)] for i in range(n)], *tile_plan(run)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Bool, Int
 
-from .._masks import AbstractMask, TileLocal, block_rule
+from .._masks import AbstractMask, TileLocal, block_rule, dense_rule
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._tiling import (
@@ -175,6 +175,14 @@ class MaskReader:
         """Whether the pair of tiles `tile` runs."""
         return table_ref[tile * self.stride] != 0
 
+    def masked(self, table_ref: Any, tile: Any) -> Array:
+        """Whether the pair of tiles `tile` runs with the elementwise mask."""
+        return table_ref[tile * self.stride] == 1
+
+    def dense(self, table_ref: Any, tile: Any) -> Array:
+        """Whether the pair of tiles `tile` runs and every pair of its tokens attends."""
+        return table_ref[tile * self.stride] == 2
+
     def __call__(self, refs: Sequence[Any], table_ref: Any, tile: Any) -> AbstractMask:
         """The mask for the pair of tiles `tile`, from the whole leaves' `refs`."""
         whole, n, loaded = iter(refs), 0, []
@@ -261,12 +269,14 @@ def tile_mask(
 
     `table[b, i, j]` holds `stride` (a power of two) int32 entries: 1 where query tile
     `i` and key tile `j` may have an attending pair (the mask's block rule on the two
-    tiles' summaries, and both tiles hold a valid token) and 0 where the kernels skip
-    the pair, then the per-tile operands of `mask.tile_local` for query tile `i` and
-    key tile `j`. Both come from the tiles' summaries of the actual records, so they
-    hold for any layout. They are computed here, outside the kernels, for every pair at
-    once, so that a block rule may use anything XLA can run (`BlockSparse` sums its
-    block map with `cumsum`), and the kernels only read a few integers per tile.
+    tiles' summaries, and both tiles hold a valid token), 2 where every pair of them
+    attends (`dense_rule`: a kernel may leave the elementwise mask out), and 0 where
+    the kernels skip the pair, then the per-tile operands of `mask.tile_local` for
+    query tile `i` and key tile `j`. Both come from the tiles' summaries of the actual
+    records, so they hold for any layout. They are computed here, outside the kernels,
+    for every pair at once, so that a block rule may use anything XLA can run
+    (`BlockSparse` sums its block map with `cumsum`), and the kernels only read a few
+    integers per tile.
 
     Whether the tile-local form is exact (a tile's positions no further apart than the
     window of the mask a kernel gets per tile) is decided when traced wherever the
@@ -283,7 +293,7 @@ def tile_mask(
     host callback, which XLA compiles for real GPUs and TPUs but which a compile-only
     GPU (the CUDA plugin without a driver) cannot lower: give such programs their runs.
     """
-    run, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    run, dense, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
     shape = run.shape
     values, _ = _kernel_leaves(local.mask)
     per_tile = [x for x, tile in zip(values, local.per_tile) if tile]
@@ -293,7 +303,7 @@ def tile_mask(
                 f"{type(mask).__name__}.tile_local must give per-tile operands of the "
                 f"tiles' shape {shape}; got shape {x.shape}."
             )
-    entries = [run.astype(jnp.int32), *per_tile]
+    entries = [run.astype(jnp.int32) + dense.astype(jnp.int32), *per_tile]
     stride = 1 << (len(entries) - 1).bit_length()
     entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
     table = jnp.stack(entries, axis=-1)
@@ -316,7 +326,7 @@ def inexact_tiles(
     """Whether some tile pair that [`tile_mask`][] runs holds positions its tile-local
     mask cannot answer exactly (the run-time check `tile_mask` makes), or None where
     that is decided when traced (exact; an inexact layout is refused then)."""
-    run, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    run, _, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
     return None if local.exact is True else _inexact(run, local)
 
 
@@ -339,13 +349,16 @@ def _inexact(run: Array, local: TileLocal) -> Bool[Array, ""]:
 
 
 def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
-    """Which tile pairs run (the block rule on the tiles' summaries) and the mask's
-    tile-local form; refused when traced where that form is known to be inexact."""
+    """Which tile pairs run (the block rule on the tiles' summaries), which of those are
+    dense (every pair attends: `dense_rule`), and the mask's tile-local form; refused
+    when traced where that form is known to be inexact."""
     q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
-    qs, ks = _tile_summaries(
+    qs, ks, q_full, k_full = _tile_summaries(
         q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
     )
     run = block_rule(mask, qs, ks)
+    q_full, k_full = (jnp.broadcast_to(x, run.shape) for x in (q_full, k_full))
+    dense = run & dense_rule(mask, qs, ks, q_full, k_full)
     local = mask.tile_local(qs, ks, block_q, block_kv)
     if local.exact is False:
         fits = _fitting_tiles(mask, q_info, kv_info, block_q, block_kv)
@@ -359,7 +372,7 @@ def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
             "multiples of the tiles (Striped with a longer stripe; Uniform, Zigzag), a "
             "larger block_size, or XlaKernel."
         )
-    return run, local
+    return run, dense, local
 
 
 def _extent(info: TokenInfo, block: int) -> int | None:
@@ -398,17 +411,20 @@ def _halvings(block: int) -> list[int]:
 
 def _tile_summaries(q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent):
     """Summaries of every query tile `[batch, q_tiles, 1]` and key tile
-    `[batch, 1, kv_tiles]`, with the extents the records' runs bound."""
+    `[batch, 1, kv_tiles]`, with the extents the records' runs bound, and whether
+    every token of each tile is valid (same shapes)."""
 
     def summaries(info, length, block, extent):
         tiled = tile_info(info, length // block, block, axis=1)
-        return BlockSummary.of(tiled, axis=2, extent=extent)
+        return BlockSummary.of(tiled, axis=2, extent=extent), jnp.all(tiled.valid, axis=2)
 
-    qs = summaries(q_info, q_len, block_q, q_extent)
-    ks = summaries(kv_info, kv_len, block_kv, kv_extent)
-    qs = jax.tree.map(lambda x: x[:, :, None], qs)
-    ks = jax.tree.map(lambda x: x[:, None, :], ks)
-    return qs, ks
+    (qs, q_full), (ks, k_full) = (
+        summaries(q_info, q_len, block_q, q_extent),
+        summaries(kv_info, kv_len, block_kv, kv_extent),
+    )
+    qs, q_full = jax.tree.map(lambda x: x[:, :, None], (qs, q_full))
+    ks, k_full = jax.tree.map(lambda x: x[:, None, :], (ks, k_full))
+    return qs, ks, q_full, k_full
 
 
 def resident_blocks(run: Int[Array, "*rows steps"]) -> Int[Array, "*rows steps"]:
@@ -566,15 +582,21 @@ def tile_grads(
     delta: Array,
     qi: TokenInfo,
     ki: TokenInfo,
-    mask: AbstractMask,
+    mask: AbstractMask | None,
     score_mod: AbstractScoreMod | None,
     scale: float,
 ) -> tuple[Array, Array, Array]:
     """Probabilities `p` (from the global lse, `[bq, 1]` with -inf replaced by 0) and
     the logit gradients `ds` of one tile, both `[bq, bk]` float32 (Flash Attention 2),
     and `k` with its non-finite values zeroed (`nan_columns`), for dQ = dS K: masked
-    pairs contribute exactly nothing to any of them."""
+    pairs contribute exactly nothing to any of them. `mask=None` is a dense tile (every
+    pair attends, `MaskReader.dense`): no elementwise mask, and `k` as it is, as in
+    `XlaKernel`'s dense branch."""
     s, mod_vjp = logits(q, k, qi, ki, score_mod, scale)
+    if mask is None:  # a dense tile: a non-finite K or V row reaches every row as is
+        p = jnp.exp(s - lse)
+        dp = jax.lax.dot_general(d_out, v, _NT, preferred_element_type=jnp.float32)
+        return p, mod_vjp(p * (dp - delta)) * scale, k
     s, k_finite = nan_columns(s, k)
     ok = allowed(mask, qi, ki)
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)

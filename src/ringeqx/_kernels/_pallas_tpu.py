@@ -97,6 +97,15 @@ def _lanes(x: Array) -> Array:
     return jnp.broadcast_to(x, x.shape[:-1] + (_LANES,))
 
 
+def _when_runs(rebuild_mask: tiles.MaskReader, run_ref, tile, body: Callable[[bool], None]):
+    """Run `body(dense)` where the tile table says tile `tile` runs: `body(False)` with
+    the elementwise mask, `body(True)` where every pair attends (splash attention's
+    full blocks; `XlaKernel`'s dense branch). A dense tile then costs no mask, no
+    select and no non-finite guard over its `[block_q, block_kv]` scores."""
+    pl.when(rebuild_mask.masked(run_ref, tile))(lambda: body(False))
+    pl.when(rebuild_mask.dense(run_ref, tile))(lambda: body(True))
+
+
 def _forward_kernel(
     run_ref,
     fetch_ref,
@@ -125,16 +134,20 @@ def _forward_kernel(
         total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(rebuild_mask.runs(run_ref, tile))
-    def _update():
+    def update(dense: bool):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
         acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
-        s, v = tiles.nan_columns(s, v_ref[...])
-        acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
+        if dense:
+            acc = acc.update(s, None, v_ref[...])
+        else:
+            s, v = tiles.nan_columns(s, v_ref[...])
+            acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
         m_ref[...] = _lanes(acc.m)
         total_ref[...] = _lanes(acc.total)
         acc_ref[...] = acc.acc
+
+    _when_runs(rebuild_mask, run_ref, tile, update)
 
     @pl.when(j == num_kv - 1)
     def _finish():
@@ -172,8 +185,7 @@ def _dq_kernel(
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    @pl.when(rebuild_mask.runs(run_ref, tile))
-    def _grads():
+    def grads(dense: bool):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         k = k_ref[...]
         _, ds, k_finite = tiles.tile_grads(
@@ -185,11 +197,13 @@ def _dq_kernel(
             delta_ref[:, :1],
             qi,
             ki,
-            mask,
+            None if dense else mask,
             mod,
             scale,
         )
         dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k_finite)
+
+    _when_runs(rebuild_mask, run_ref, tile, grads)
 
     @pl.when(j == num_kv - 1)
     def _finish():
@@ -236,8 +250,7 @@ def _dkv_kernel(
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(rebuild_mask.runs(run_ref, tile))
-    def _grads():
+    def grads(dense: bool):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
         q, d_out = q_ref[...], do_ref[...]
         p, ds, _ = tiles.tile_grads(
@@ -249,12 +262,14 @@ def _dkv_kernel(
             delta_ref[:, :1],
             qi,
             ki,
-            mask,
+            None if dense else mask,
             mod,
             scale,
         )
         dv_acc[...] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
         dk_acc[...] += tiles.matmul_tn(ds.astype(q.dtype), q)
+
+    _when_runs(rebuild_mask, run_ref, tile, grads)
 
     @pl.when(last)
     def _finish():

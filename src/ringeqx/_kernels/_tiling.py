@@ -80,14 +80,15 @@ class Softmax(eqx.Module):
     def update(
         self,
         s: Array,
-        ok: Array,
+        ok: Array | None,
         v: Array,
         pv: Callable[[Array, Array], Array] = matmul,
     ) -> "Softmax":
-        """Fold in a tile of logits `s` (`[..., bq, bk]`; `ok` marks attending pairs) and
-        values `v`; `pv(p, v)` gives the float32 `[..., bq, d]` product (`p @ v` for one
-        head)."""
-        s = jnp.where(ok, s, -jnp.inf)
+        """Fold in a tile of logits `s` (`[..., bq, bk]`; `ok` marks attending pairs,
+        None where all do) and values `v`; `pv(p, v)` gives the float32 `[..., bq, d]`
+        product (`p @ v` for one head)."""
+        if ok is not None:
+            s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(self.m, jnp.max(s, axis=-1, keepdims=True))
         # Rows that have seen nothing keep m = -inf; exponentiate against 0 instead.
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)

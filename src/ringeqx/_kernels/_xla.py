@@ -270,7 +270,7 @@ class XlaKernel(AbstractAttentionKernel):
                         k_blk, v_blk = _tile(k, j, bk, 2), _tile(v, j, bk, 2)
                         s, _ = _logits(q2, k_blk, qi_blk, ki_blk, score_mod, scale, g)
                         if dense:
-                            return acc.update(s, jnp.array(True), v_blk, _pv)
+                            return acc.update(s, None, v_blk, _pv)
                         ok = _pair_mask(mask, qi_blk, ki_blk)[:, None, None]
                         ok = jnp.broadcast_to(ok, (b, 1, g, bq, bk)).reshape(b, 1, g * bq, bk)
                         pv = functools.partial(_masked_pv, ok=ok)
