@@ -208,6 +208,26 @@ def dense_rule(
     return q_all_valid & k_all_valid & mask.must_attend(q, k)
 
 
+# What a kernel does with a pair of tiles (`tile_branch`).
+SKIPPED, MASKED, DENSE = 0, 1, 2
+
+
+def tile_branch(
+    mask: AbstractMask,
+    q: BlockSummary,
+    k: BlockSummary,
+    q_all_valid: Bool[Array, "*blocks"],
+    k_all_valid: Bool[Array, "*blocks"],
+) -> Int[Array, "*blocks"]:
+    """What a kernel does with a pair of tiles: `SKIPPED` where `block_rule` rules it
+    out, `DENSE` where `dense_rule` says every pair attends (no elementwise mask),
+    `MASKED` otherwise. XlaKernel branches on it; the Pallas kernels read it from their
+    tile table."""
+    run = block_rule(mask, q, k)
+    dense = run & dense_rule(mask, q, k, q_all_valid, k_all_valid)
+    return run.astype(jnp.int32) + dense.astype(jnp.int32)
+
+
 def _shape(q: BlockSummary, k: BlockSummary) -> tuple[int, ...]:
     return jnp.broadcast_shapes(q.pos_min.shape, k.pos_min.shape)
 

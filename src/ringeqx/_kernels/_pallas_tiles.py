@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Bool, Int
 
-from .._masks import AbstractMask, TileLocal, block_rule, dense_rule
+from .._masks import DENSE, MASKED, AbstractMask, TileLocal, tile_branch
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
 from ._tiling import (
@@ -177,11 +177,11 @@ class MaskReader:
 
     def masked(self, table_ref: Any, tile: Any) -> Array:
         """Whether the pair of tiles `tile` runs with the elementwise mask."""
-        return table_ref[tile * self.stride] == 1
+        return table_ref[tile * self.stride] == MASKED
 
     def dense(self, table_ref: Any, tile: Any) -> Array:
         """Whether the pair of tiles `tile` runs and every pair of its tokens attends."""
-        return table_ref[tile * self.stride] == 2
+        return table_ref[tile * self.stride] == DENSE
 
     def __call__(self, refs: Sequence[Any], table_ref: Any, tile: Any) -> AbstractMask:
         """The mask for the pair of tiles `tile`, from the whole leaves' `refs`."""
@@ -267,11 +267,10 @@ def tile_mask(
 ) -> tuple[Int[Array, "batch q_tiles kv_tiles stride"], TileLocal]:
     """The tile table and the tile-local mask of a kernel call.
 
-    `table[b, i, j]` holds `stride` (a power of two) int32 entries: 1 where query tile
-    `i` and key tile `j` may have an attending pair (the mask's block rule on the two
-    tiles' summaries, and both tiles hold a valid token), 2 where every pair of them
-    attends (`dense_rule`: a kernel may leave the elementwise mask out), and 0 where
-    the kernels skip the pair, then the per-tile operands of `mask.tile_local` for
+    `table[b, i, j]` holds `stride` (a power of two) int32 entries: the `tile_branch`
+    of query tile `i` and key tile `j` (0 where the kernels skip the pair, 1 where it
+    may have an attending pair, 2 where every pair of it attends and a kernel may leave
+    the elementwise mask out), then the per-tile operands of `mask.tile_local` for
     query tile `i` and key tile `j`. Both come from the tiles' summaries of the actual
     records, so they hold for any layout. They are computed here, outside the kernels,
     for every pair at once, so that a block rule may use anything XLA can run
@@ -293,8 +292,8 @@ def tile_mask(
     host callback, which XLA compiles for real GPUs and TPUs but which a compile-only
     GPU (the CUDA plugin without a driver) cannot lower: give such programs their runs.
     """
-    run, dense, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
-    shape = run.shape
+    branch, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    shape = branch.shape
     values, _ = _kernel_leaves(local.mask)
     per_tile = [x for x, tile in zip(values, local.per_tile) if tile]
     for x in per_tile:
@@ -303,13 +302,13 @@ def tile_mask(
                 f"{type(mask).__name__}.tile_local must give per-tile operands of the "
                 f"tiles' shape {shape}; got shape {x.shape}."
             )
-    entries = [run.astype(jnp.int32) + dense.astype(jnp.int32), *per_tile]
+    entries = [branch, *per_tile]
     stride = 1 << (len(entries) - 1).bit_length()
     entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
     table = jnp.stack(entries, axis=-1)
     if local.exact is not True:
         table = eqx.error_if(
-            table, _inexact(run, local), inexact_message(mask, block_q, block_kv)
+            table, _inexact(branch, local), inexact_message(mask, block_q, block_kv)
         )
     return table, local
 
@@ -326,8 +325,8 @@ def inexact_tiles(
     """Whether some tile pair that [`tile_mask`][] runs holds positions its tile-local
     mask cannot answer exactly (the run-time check `tile_mask` makes), or None where
     that is decided when traced (exact; an inexact layout is refused then)."""
-    run, _, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
-    return None if local.exact is True else _inexact(run, local)
+    branch, local = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv)
+    return None if local.exact is True else _inexact(branch, local)
 
 
 def inexact_message(mask: AbstractMask, block_q: int, block_kv: int) -> str:
@@ -344,21 +343,21 @@ def inexact_message(mask: AbstractMask, block_q: int, block_kv: int) -> str:
     )
 
 
-def _inexact(run: Array, local: TileLocal) -> Bool[Array, ""]:
-    return jnp.any(run & ~jnp.asarray(local.exact))
+def _inexact(branch: Array, local: TileLocal) -> Bool[Array, ""]:
+    """Whether a pair of tiles that runs (`branch` not 0) is not exact."""
+    return jnp.any((branch != 0) & ~jnp.asarray(local.exact))
 
 
 def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
-    """Which tile pairs run (the block rule on the tiles' summaries), which of those are
-    dense (every pair attends: `dense_rule`), and the mask's tile-local form; refused
-    when traced where that form is known to be inexact."""
+    """The `tile_branch` of every pair of tiles (on the tiles' summaries) and the mask's
+    tile-local form; refused when traced where that form is known to be inexact."""
     q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
     qs, ks, q_full, k_full = _tile_summaries(
         q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
     )
-    run = block_rule(mask, qs, ks)
-    q_full, k_full = (jnp.broadcast_to(x, run.shape) for x in (q_full, k_full))
-    dense = run & dense_rule(mask, qs, ks, q_full, k_full)
+    shape = jnp.broadcast_shapes(q_full.shape, k_full.shape)
+    q_full, k_full = (jnp.broadcast_to(x, shape) for x in (q_full, k_full))
+    branch = tile_branch(mask, qs, ks, q_full, k_full)
     local = mask.tile_local(qs, ks, block_q, block_kv)
     if local.exact is False:
         fits = _fitting_tiles(mask, q_info, kv_info, block_q, block_kv)
@@ -372,7 +371,7 @@ def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
             "multiples of the tiles (Striped with a longer stripe; Uniform, Zigzag), a "
             "larger block_size, or XlaKernel."
         )
-    return run, dense, local
+    return branch, local
 
 
 def _extent(info: TokenInfo, block: int) -> int | None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
-from .._masks import AbstractMask, block_rule, dense_rule
+from .._masks import AbstractMask, tile_branch
 from .._numbers import as_int, shown
 from .._score_mods import AbstractScoreMod
 from .._tokens import BlockSummary, TokenInfo
@@ -121,12 +121,8 @@ def _info_tiles(info: TokenInfo, num: int, block: int) -> _Tiles:
 
 
 def _which(mask: AbstractMask, q: _Tiles, k: _Tiles, i, j):
-    """The branch tile `(i, j)` takes: 0 skipped (the block rule rules it out), 1 masked
-    elementwise, 2 dense (every pair attends: no elementwise mask)."""
-    qs, ks = _pick(q.summary, i), _pick(k.summary, j)
-    run = block_rule(mask, qs, ks)
-    dense = run & dense_rule(mask, qs, ks, q.full[i], k.full[j])
-    return run.astype(jnp.int32) + dense.astype(jnp.int32)
+    """The branch tile `(i, j)` takes (`tile_branch`): 0 skipped, 1 masked, 2 dense."""
+    return tile_branch(mask, _pick(q.summary, i), _pick(k.summary, j), q.full[i], k.full[j])
 
 
 def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale, dense=False):
