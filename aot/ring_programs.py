@@ -89,10 +89,17 @@ _KERNEL_CALLS = {
 }
 
 
+# The Pallas kernels of the ring on each platform: Mosaic's backward is one fused kernel,
+# Triton's two (dQ, then dK/dV).
+KERNEL_PARTS = {
+    "tpu": ("forward", "backward"),
+    "gpu": ("forward", "backward_dq", "backward_dkv"),
+}
+
+
 def kernel_names(platform: str) -> set[str]:
-    """The three Pallas kernels of the ring on `platform` ("tpu" or "gpu")."""
-    return {f"ringeqx_{platform}_flash_{part}" for part in ("forward", "backward_dq",
-                                                             "backward_dkv")}
+    """The Pallas kernels of the ring on `platform` ("tpu" or "gpu")."""
+    return {f"ringeqx_{platform}_flash_{part}" for part in KERNEL_PARTS[platform]}
 
 
 def all_kernel_calls(text: str, platform: str) -> list[str]:

@@ -105,11 +105,10 @@ def _compile_blocks(target: str, cases):
         text = _compile(program, args)
     for n, case in enumerate(cases):
         assert sorted(kernel_calls(text, f"case{n}", "tpu")) == [
-            "ringeqx_tpu_flash_backward_dkv",
-            "ringeqx_tpu_flash_backward_dq",
+            "ringeqx_tpu_flash_backward",
             "ringeqx_tpu_flash_forward",
         ], case[0]
-    assert text.count('custom_call_target="tpu_custom_call"') == 3 * len(cases)
+    assert text.count('custom_call_target="tpu_custom_call"') == 2 * len(cases)
 
 
 def test_v5e_kernels_every_mask_modifier_dtype_head_dim_and_gqa():
@@ -153,7 +152,7 @@ def test_kernels_whose_tiles_need_more_vmem_compile(target):
 
     with jax.set_mesh(mesh):
         text = _compile(program, args)
-    assert text.count('custom_call_target="tpu_custom_call"') == 3 * len(LARGE_VMEM)
+    assert text.count('custom_call_target="tpu_custom_call"') == 2 * len(LARGE_VMEM)
 
 
 # ----------------------------------------------------------------------------------
@@ -203,12 +202,11 @@ def test_a_shard_past_smem_runs_as_several_calls_without_copies(target):
             return jax.jit(program).lower(*args).compile()
 
     one, two = compiled(128 * 1024), compiled(256 * 1024)
+    # One forward call at 128K; the fused backward's calls are bounded by its dQ
+    # accumulator (VMEM) as well, so it is split at either length, twice as many at 256K.
     kernels = sorted(kernel_calls(one.as_text(), "long", "tpu"))
-    assert kernels == [
-        "ringeqx_tpu_flash_backward_dkv",
-        "ringeqx_tpu_flash_backward_dq",
-        "ringeqx_tpu_flash_forward",
-    ]
+    assert set(kernels) == {"ringeqx_tpu_flash_backward", "ringeqx_tpu_flash_forward"}
+    assert kernels.count("ringeqx_tpu_flash_forward") == 1
     assert sorted(kernel_calls(two.as_text(), "long", "tpu")) == sorted(kernels * 2)
     temp = [c.memory_analysis().temp_size_in_bytes for c in (one, two)]
     assert temp[1] <= 2.08 * temp[0], temp  # measured: v5e 2.00x, v5p 2.02x, v6e 2.00x

@@ -481,7 +481,7 @@ def test_auto_follows_the_mesh_in_the_ring_and_the_layer():
 
     with use_abstract_mesh(m):
         program = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
-    for part in ("forward", "backward_dq", "backward_dkv"):
+    for part in ("forward", "backward"):
         assert f"ringeqx_tpu_flash_{part}" in program
     layer = rx.nn.RingAttention(64, 4, 1, head_dim=64, key=jax.random.key(0))
     assert layer.kernel == "auto"  # resolved per call, from the mesh
@@ -556,7 +556,8 @@ def test_ring_device_type_interpret(device_type):
         )
 
     program = str(jax.make_jaxpr(jax.grad(lambda *a: ring(*a).sum()))(q, k, v))
-    for part in ("forward", "backward_dq", "backward_dkv"):
+    parts = {"tpu": ("forward", "backward"), "gpu": ("forward", "backward_dq", "backward_dkv")}
+    for part in parts[device_type]:
         assert f"ringeqx_{device_type}_flash_{part}" in program
     other = {"gpu": "tpu", "tpu": "gpu"}[device_type]
     assert f"ringeqx_{other}_flash" not in program
@@ -790,6 +791,15 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
 
     monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 24)  # the ring's shards: 2 calls
     test_in_ring(kernel)
+
+    # The fused backward's dQ accumulator bounds its calls' query rows too: one query
+    # tile a call (the forward stays one call), dK and dV carried across them.
+    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 1 << 20)
+    monkeypatch.setattr(_pallas_tpu, "_DQ_VMEM", 1)
+    assert _pallas_tpu._dq_row_tiles(t) == 1
+    assert _pallas_tpu._QuerySplit.of(t, 1, _pallas_tpu._dq_row_tiles(t)).calls == 3
+    for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
+        _check(str(config), res, x, config[-1], "XlaKernel")
 
     monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 8)
     with pytest.raises(ValueError, match="one row of tiles' tables takes 16 bytes of SMEM"):

@@ -121,9 +121,12 @@ def _lower_cases(kernel, platform, cases):
         ]
 
     text = _export(program, platform, args)
-    assert _custom_calls(text, "cuda" if platform == "cuda" else "tpu") == 3 * len(cases)
+    # Mosaic's backward is one fused kernel, Triton's two (dQ, then dK/dV).
+    parts = ("forward", "backward_dq", "backward_dkv") if platform == "cuda" else (
+        "forward", "backward")
+    assert _custom_calls(text, "cuda" if platform == "cuda" else "tpu") == len(parts) * len(cases)
     name = "gpu" if platform == "cuda" else "tpu"
-    for part in ("forward", "backward_dq", "backward_dkv"):
+    for part in parts:
         assert f"ringeqx_{name}_flash_{part}" in text
 
 
@@ -281,8 +284,8 @@ def test_ring_forward_and_grad_lower(kernel, platform):
     if isinstance(kernel, rx.XlaKernel):
         assert pallas == 0
     else:
-        assert pallas >= 3
-        assert "ringeqx_" in text and "_flash_backward_dkv" in text
+        assert pallas >= 2
+        assert "ringeqx_" in text and "_flash_backward" in text
 
 
 def test_pallas_kernel_lowered_for_the_wrong_platform_is_an_error():

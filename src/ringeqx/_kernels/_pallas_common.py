@@ -155,12 +155,13 @@ def trim_grads(
 
 # Matmuls of one (query, key) pair of rows per kernel: the forward's QK^T and PV; dQ
 # recomputes QK^T and takes dO V^T and dS K; dK/dV recomputes QK^T and dO V^T and takes
-# P^T dO and dS^T Q (so a backward step is 7 matmuls, 14 * pairs * d FLOPs).
-_MATMULS = {"forward": 2, "dq": 3, "dkv": 4}
+# P^T dO and dS^T Q (so a backward of two kernels is 7 matmuls, 14 * pairs * d FLOPs); a
+# fused backward computes QK^T and dO V^T once (5 matmuls).
+_MATMULS = {"forward": 2, "dq": 3, "dkv": 4, "backward": 5}
 
 
 def cost_estimate(
-    t: Tiling, kind: Literal["forward", "dq", "dkv"], arrays: Any
+    t: Tiling, kind: Literal["forward", "dq", "dkv", "backward"], arrays: Any
 ) -> pl.CostEstimate:
     """What one call of a kernel costs, for XLA's scheduler (without it a custom call
     is free, and the scheduler has nothing to hide a ring hop behind): the matmul FLOPs

@@ -156,61 +156,7 @@ def _forward_kernel(
         lse_ref[...] = _lanes(lse)
 
 
-def _dq_kernel(
-    run_ref,
-    fetch_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    q_rec_ref,
-    k_rec_ref,
-    *refs,
-    rebuild_mask,
-    rebuild_mod,
-    num_mask: int,
-    scale: float,
-    num_q: int,
-    num_kv: int,
-):
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
-    dq_ref, dq_acc = refs[-2:]
-    b, h, i, j = (pl.program_id(a) for a in range(4))
-    tile = (b * num_q + i) * num_kv + j
-    mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
-
-    @pl.when(j == 0)
-    def _init():
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    def grads(dense: bool):
-        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
-        k = k_ref[...]
-        _, ds, k_finite = tiles.tile_grads(
-            q_ref[...],
-            k,
-            v_ref[...],
-            do_ref[...],
-            lse_ref[:, :1],
-            delta_ref[:, :1],
-            qi,
-            ki,
-            None if dense else mask,
-            mod,
-            scale,
-        )
-        dq_acc[...] += tiles.matmul(ds.astype(k.dtype), k_finite)
-
-    _when_runs(rebuild_mask, run_ref, tile, grads)
-
-    @pl.when(j == num_kv - 1)
-    def _finish():
-        dq_ref[...] = dq_acc[...]
-
-
-def _dkv_kernel(
+def _backward_kernel(
     run_ref,
     fetch_ref,
     q_ref,
@@ -231,31 +177,44 @@ def _dkv_kernel(
     groups: int,
     carried: bool = False,
 ):
+    """dQ, dK and dV in one pass over the tile pairs (a fused backward): each pair's
+    probabilities and logit gradients are computed once, where a dQ kernel and a dK/dV
+    kernel would each recompute QK^T and dO V^T (5 matmuls a pair instead of 7).
+
+    The grid is `(batch, kv head, key tile, query head in the group, query tile)`: a
+    key tile's dK and dV accumulate in VMEM over the query tiles of every head of its
+    group; every query tile's dQ accumulates in a VMEM scratch of the call's rows
+    (`_QuerySplit` bounds them) over the key tiles, and is written at the last one."""
     # With `carried`, dK and dV so far (`_QuerySplit`) come in before the outputs and
     # the accumulators start from them.
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask : len(refs) - 4 - 2 * carried]
-    dk_ref, dv_ref, dk_acc, dv_acc = refs[-4:]
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask : len(refs) - 6 - 2 * carried]
+    dq_ref, dk_ref, dv_ref, dq_acc, dk_acc, dv_acc = refs[-6:]
     b, t, i = pl.program_id(0), pl.program_id(2), pl.program_id(4)
     g = pl.program_id(3)
     tile = (b * num_kv + t) * num_q + i
     mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
-    first = (g == 0) & (i == 0)
-    last = (g == groups - 1) & (i == num_q - 1)
+    block_q = q_ref.shape[0]
+    rows = pl.ds(pl.multiple_of((g * num_q + i) * block_q, block_q), block_q)
 
-    @pl.when(first)
-    def _init():
+    @pl.when((g == 0) & (i == 0))
+    def _init_kv():
         if carried:
-            dk_acc[...], dv_acc[...] = refs[-6][...], refs[-5][...]
+            dk_acc[...], dv_acc[...] = refs[-8][...], refs[-7][...]
         else:
             dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
             dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
+    # Whether or not the first key tile runs for these queries, their dQ starts here.
+    @pl.when(t == 0)
+    def _init_q():
+        dq_acc[rows, :] = jnp.zeros((block_q, dq_acc.shape[1]), jnp.float32)
+
     def grads(dense: bool):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
-        q, d_out = q_ref[...], do_ref[...]
-        p, ds, _ = tiles.tile_grads(
+        q, k, d_out = q_ref[...], k_ref[...], do_ref[...]
+        p, ds, k_finite = tiles.tile_grads(
             q,
-            k_ref[...],
+            k,
             v_ref[...],
             d_out,
             lse_ref[:, :1],
@@ -266,13 +225,19 @@ def _dkv_kernel(
             mod,
             scale,
         )
+        ds_low = ds.astype(q.dtype)
         dv_acc[...] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
-        dk_acc[...] += tiles.matmul_tn(ds.astype(q.dtype), q)
+        dk_acc[...] += tiles.matmul_tn(ds_low, q)
+        dq_acc[rows, :] += tiles.matmul(ds_low, k_finite)
 
     _when_runs(rebuild_mask, run_ref, tile, grads)
 
-    @pl.when(last)
-    def _finish():
+    @pl.when(t == num_kv - 1)
+    def _finish_q():
+        dq_ref[...] = dq_acc[rows, :]
+
+    @pl.when((g == groups - 1) & (i == num_q - 1))
+    def _finish_kv():
         dk_ref[...] = dk_acc[...]
         dv_ref[...] = dv_acc[...]
 
@@ -329,6 +294,20 @@ def _key_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
     return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map)
 
 
+def _dq_out_map(t: common.Tiling, first: int = 0) -> Callable:
+    """Index map of dQ in the backward's grid: query tile `i` of head `j * groups + gi`
+    at the last key tile, where the kernel writes it; before that the block the last
+    key tile starts with, so that the pipeline writes nothing back until it is whole."""
+    groups, last = t.groups, t.num_kv - 1
+
+    def index_map(b, j, s, gi, i, *_):
+        at_last = s == last
+        head = j * groups + jnp.where(at_last, gi, 0)
+        return b, head, _shifted(jnp.where(at_last, i, 0), first), 0
+
+    return index_map
+
+
 def _in_specs(
     t: common.Tiling, maps: _Maps, ops: common.Operands, backward: bool
 ) -> list[Any]:
@@ -359,7 +338,9 @@ _LARGE_SCOPED_VMEM = 64 * 2**20
 _MAX_SCOPED_VMEM = 56 * 2**20
 
 
-def _scoped_vmem(t: common.Tiling, itemsize: int, carried: bool = False) -> int:
+def _scoped_vmem(
+    t: common.Tiling, itemsize: int, carried: bool = False, dq_rows: int = 0
+) -> int:
     """Bytes of VMEM the largest of the three kernels holds for tiles `t`, from above.
 
     The sum of the float32 score tile and its three siblings of the backward (P, dP,
@@ -370,24 +351,38 @@ def _scoped_vmem(t: common.Tiling, itemsize: int, carried: bool = False) -> int:
     at head_dim 128, 17.2-17.7 MiB for 512 x 1024 at 256, 19.0-19.4 for 512 x 2048).
     With `carried`, dK and dV also come in (a dK/dV call after others, `_QuerySplit`):
     two more float32 blocks, double-buffered, counted whole (512 x 1024 tiles at
-    head_dim 128 under `Document` took 16.42 MiB, past the default limit)."""
+    head_dim 128 under `Document` took 16.42 MiB, past the default limit). The fused
+    backward's dQ accumulator, `dq_rows` float32 rows of the call (`_dq_rows`), and its
+    output block are counted whole too."""
     bq, bk, d = t.block_q, t.block_kv, t.head_dim
     blocks = 2 * 2 * itemsize * d * (bq + bk)
     rows = 2 * 2 * 4 * bq * _LANES
     records = 2 * 4 * 4 * (bq * _LANES + _SUBLANES * bk)
     accumulators = max(24 * bk * d, 12 * bq * d)
     carried_blocks = 2 * 2 * 4 * bk * d * carried
-    return int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators)) + carried_blocks
+    dq = (4 * dq_rows * d + 2 * 4 * bq * d) if dq_rows else 0
+    body = int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators))
+    return body + carried_blocks + dq
+
+
+# VMEM the fused backward's dQ accumulator may take: the call's query rows of every head
+# of a group, float32. Longer shards run as several calls (`_QuerySplit`).
+_DQ_VMEM = 16 * 2**20
+
+
+def _dq_row_tiles(t: common.Tiling) -> int:
+    """How many query tiles one fused backward call accumulates dQ for (at least 1)."""
+    return max(1, _DQ_VMEM // (4 * t.groups * t.block_q * t.head_dim))
 
 
 def _vmem_limit(
-    t: common.Tiling, inputs, interpret: bool, carried: bool = False
+    t: common.Tiling, inputs, interpret: bool, carried: bool = False, dq_rows: int = 0
 ) -> int | None:
     """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
     fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
     refuses them only when compiling, with a message about the kernel's internals)."""
     itemsize = inputs[0].dtype.itemsize
-    need = _scoped_vmem(t, itemsize, carried)
+    need = _scoped_vmem(t, itemsize, carried, dq_rows)
     if interpret or need <= _DEFAULT_SCOPED_VMEM:
         return None
     if need > _MAX_SCOPED_VMEM:
@@ -414,7 +409,7 @@ class _Part(NamedTuple):
 
 
 # The kernels' names, and the grid axes (last) each accumulates over.
-_KERNELS = {"forward": ("forward", 1), "dq": ("backward_dq", 1), "dkv": ("backward_dkv", 2)}
+_KERNELS = {"forward": ("forward", 1), "backward": ("backward", 3)}
 
 
 def _without_refs(kernel, start: int, count: int):
@@ -432,40 +427,44 @@ class _Call(NamedTuple):
     `_Part` of the queries it covers."""
 
     t: common.Tiling
-    kind: Literal["forward", "dq", "dkv"]
+    kind: Literal["forward", "backward"]
     plan: tuple[Array, Array]
     inputs: tuple[Array, ...]
     ops: common.Operands
     part: _Part
     interpret: bool
 
-    def __call__(self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_spec=None):
+    def __call__(
+        self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_specs=(), dq_rows=0
+    ):
         """Run `kernel`, the last grid axes of its kind sequential ("arbitrary",
         accumulating into scratch). Its outputs alias `part.into`, which follow the
-        other inputs: read through `into_spec` blocks where given (dK and dV carried),
-        else left in HBM and hidden from the kernel, which writes them through its
-        outputs."""
+        other inputs: each read through its block spec in `into_specs` where one is
+        given (dK and dV carried), else left in HBM and hidden from the kernel, which
+        writes it through its output (the hidden ones come first)."""
         name, sequential = _KERNELS[self.kind]
         into, inputs, ops = self.part.into, self.inputs, self.ops
+        specs = list(into_specs) + [None] * (len(into) - len(into_specs))
+        hidden = len(specs) - len([x for x in specs if x is not None])
+        assert all(x is None for x in specs[:hidden]), "hidden outputs come first"
         start = 2 + len(inputs) + len(ops.leaves)
-        if into and into_spec is None:
-            kernel = _without_refs(kernel, start, len(into))
-        spec = into_spec or pl.BlockSpec(memory_space=pl.ANY)
-        carried = bool(into) and into_spec is not None
+        if hidden:
+            kernel = _without_refs(kernel, start, hidden)
+        carried = hidden < len(into)
         semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
+        vmem = _vmem_limit(self.t, inputs, self.interpret, carried, dq_rows)
         return pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2,
                 grid=grid,
-                in_specs=in_specs + [spec] * len(into),
+                in_specs=in_specs + [x or pl.BlockSpec(memory_space=pl.ANY) for x in specs],
                 out_specs=out_specs,
                 scratch_shapes=scratch,
             ),
             out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=semantics,
-                vmem_limit_bytes=_vmem_limit(self.t, inputs, self.interpret, carried),
+                dimension_semantics=semantics, vmem_limit_bytes=vmem
             ),
             interpret=self.interpret,
             name=f"ringeqx_tpu_flash_{name}",
@@ -504,49 +503,42 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
     )
 
 
-def _dq_call(c: _Call) -> Array:
-    """dQ `[b, h, lq, d]` of the padded backward inputs, on the forward's grid, the
-    queries `c.part` covers written."""
-    t = c.t
-    maps = _query_grid_maps(t, c.part.first)
-    kernel = functools.partial(
-        _dq_kernel, **c.ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
-    )
-    shape = (t.batch, t.heads, c.part.length, t.head_dim)
-    return c(
-        kernel,
-        grid=(t.batch, t.heads, t.num_q, t.num_kv),
-        in_specs=_in_specs(t, maps, c.ops, backward=True),
-        out_specs=pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q),
-        scratch=[pltpu.VMEM((t.block_q, t.head_dim), jnp.float32)],
-        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
-    )
-
-
-def _dkv_call(c: _Call) -> tuple[Array, Array]:
-    """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs: a key
-    tile accumulates over the query tiles `c.part` covers of every query head in its
-    group, from the dK and dV of the calls before (`c.part.into`) if any."""
+def _backward_call(c: _Call) -> tuple[Array, Array, Array]:
+    """`(dQ [b, h, lq, d], dK, dV [b, kv_heads, lk, d])` of the padded backward inputs
+    (`_backward_kernel`): dQ for the queries `c.part` covers, each key tile's dK and dV
+    accumulated over those queries of every query head in its group, from the dK and dV
+    of the calls before (`c.part.into`) if any."""
     t = c.t
     maps = _key_grid_maps(t, c.part.first)
     kernel = functools.partial(
-        _dkv_kernel,
+        _backward_kernel,
         **c.ops.kernel_args,
         num_q=t.num_q,
         num_kv=t.num_kv,
         groups=t.groups,
-        carried=bool(c.part.into),
+        carried=len(c.part.into) > 1,
     )
     block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
-    shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
+    dq_block = pl.BlockSpec((None, None, t.block_q, t.head_dim), _dq_out_map(t, c.part.first))
+    dq_rows = t.groups * t.q_padded
+    kv_shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
     return c(
         kernel,
         grid=(t.batch, t.kv_heads, t.num_kv, t.groups, t.num_q),
         in_specs=_in_specs(t, maps, c.ops, backward=True),
-        out_specs=[block, block],
-        scratch=[pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32)] * 2,
-        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
-        into_spec=block,
+        out_specs=[dq_block, block, block],
+        scratch=[
+            pltpu.VMEM((dq_rows, t.head_dim), jnp.float32),
+            pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32),
+            pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t.batch, t.heads, c.part.length, t.head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(kv_shape, jnp.float32),
+            jax.ShapeDtypeStruct(kv_shape, jnp.float32),
+        ],
+        into_specs=(None, block, block) if c.part.into else (),
+        dq_rows=dq_rows,
     )
 
 
@@ -571,10 +563,13 @@ class _QuerySplit(NamedTuple):
     calls: int
 
     @classmethod
-    def of(cls, t: common.Tiling, stride: int) -> "_QuerySplit":
-        """The split of tiles `t` whose tile table holds `stride` entries a pair."""
+    def of(cls, t: common.Tiling, stride: int, most: int | None = None) -> "_QuerySplit":
+        """The split of tiles `t` whose tile table holds `stride` entries a pair, into
+        calls over at most `most` query tiles each (None: as many as SMEM holds)."""
         per_row = 4 * (stride + 1) * t.batch * t.num_kv  # both tables' int32 entries
         rows = _TABLE_SMEM // per_row
+        if most is not None and rows > 0:
+            rows = min(rows, most)
         if rows >= t.num_q:
             return cls(t, t.num_q, 1)
         if rows == 0:
@@ -615,10 +610,13 @@ class PallasTpuKernel(AbstractAttentionKernel):
     and the index maps of a skipped tile point at the K/V block already in VMEM (in the
     backward, the Q-side block), so a skipped tile costs no copy (splash attention's
     trick). Per-head modifier parameters (ALiBi slopes) reach each program through its
-    block spec. The backward has a dK/dV kernel over
-    (batch, kv head, key tile, query head of the group, query tile), accumulating over
-    the last two (GQA without copying K/V heads), and a dQ kernel shaped like the
-    forward. Token records travel broadcast to full vregs (queries along lanes, keys
+    block spec. The backward is one fused kernel over
+    (batch, kv head, key tile, query head of the group, query tile): each pair of tiles'
+    probabilities and logit gradients are computed once for dQ, dK and dV (5 matmuls a
+    pair, where separate dQ and dK/dV kernels take 7); dK and dV accumulate over the
+    last two axes (GQA without copying K/V heads), dQ in VMEM over the key tiles, for
+    as many query rows as `_DQ_VMEM` holds a call (longer shards run as several calls,
+    dK and dV carried). Token records travel broadcast to full vregs (queries along lanes, keys
     along sublanes), as in JAX's own TPU flash attention.
 
     **Arguments:**
@@ -769,7 +767,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
             t = self._tiling(q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            split = _QuerySplit.of(t, table.shape[-1])
+            split = _QuerySplit.of(t, table.shape[-1], _dq_row_tiles(t))
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
             inputs = (
@@ -785,16 +783,10 @@ class PallasTpuKernel(AbstractAttentionKernel):
 
             def call(tc, table_c, part):
                 # dQ writes into dQ so far, dK/dV add to dK and dV so far.
-                dq = _dq_call(
-                    _Call(tc, "dq", tile_plan(table_c), inputs, ops,
-                          part._replace(into=part.into[:1]), self.interpret)
-                )  # fmt: skip
-                plan_k = tile_plan(jnp.swapaxes(table_c, 1, 2))
-                dk, dv = _dkv_call(
-                    _Call(tc, "dkv", plan_k, inputs, ops,
-                          part._replace(into=part.into[1:]), self.interpret)
-                )  # fmt: skip
-                return dq, dk, dv
+                plan = tile_plan(jnp.swapaxes(table_c, 1, 2))
+                return _backward_call(
+                    _Call(tc, "backward", plan, inputs, ops, part, self.interpret)
+                )
 
             dq, dk, dv = split.run(table, call)
             return common.trim_grads(t, dq, dk, dv)
