@@ -804,3 +804,17 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
     monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 8)
     with pytest.raises(ValueError, match="one row of tiles' tables takes 16 bytes of SMEM"):
         _pallas_tpu._QuerySplit.of(t, 1)
+
+
+def test_tpu_kernel_computes_a_key_tile_in_pieces():
+    # `block_kv_compute`: a 256-wide key tile copied whole and computed 128 columns at a
+    # time, forward and fused backward (200 keys: one tile, two pieces, the second
+    # partly padding), every config against XlaKernel.
+    kernel = rx.PallasTpuKernel(block_q=16, block_kv=256, block_kv_compute=128, interpret=True)
+    cases = _config_cases()
+    xla = _cached("configs-xla", lambda: _run(XLA, cases))
+    for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
+        _check(str(config), res, x, config[-1], "XlaKernel")
+    for bad in (100, 384, 0):
+        with pytest.raises(ValueError, match="`block_kv_compute` must be None or a positive"):
+            rx.PallasTpuKernel(block_kv=256, block_kv_compute=bad)

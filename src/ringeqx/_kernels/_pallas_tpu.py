@@ -87,8 +87,24 @@ def _q_info(ref) -> TokenInfo:
     return tiles.token_info([ref[f, :, :1] for f in range(4)])
 
 
-def _k_info(ref) -> TokenInfo:
-    return tiles.token_info([ref[f, :1, :] for f in range(4)])
+def _k_info(ref, cols=slice(None)) -> TokenInfo:
+    return tiles.token_info([ref[f, :1, cols] for f in range(4)])
+
+
+def _key_chunks(block_kv: int, block_kv_compute: int, body: Callable[[Any], None]) -> None:
+    """`body(cols)` for each run of `block_kv_compute` key columns of a `block_kv` tile
+    (splash attention's `block_kv_compute`): the tile is copied in one DMA, and computed
+    on in smaller pieces, whose score tiles and their siblings are that much smaller."""
+    chunks = block_kv // block_kv_compute
+    if chunks == 1:
+        body(slice(None))
+        return
+
+    def step(c, carry):
+        body(pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute))
+        return carry
+
+    jax.lax.fori_loop(0, chunks, step, 0)
 
 
 def _lanes(x: Array) -> Array:
@@ -121,6 +137,7 @@ def _forward_kernel(
     scale: float,
     num_q: int,
     num_kv: int,
+    block_kv_compute: int,
 ):
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-5]
     o_ref, lse_ref, m_ref, total_ref, acc_ref = refs[-5:]
@@ -134,20 +151,26 @@ def _forward_kernel(
         total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def update(dense: bool):
-        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
-        s, _ = tiles.logits(q_ref[...], k_ref[...], qi, ki, mod, scale)
+    def update(dense: bool, cols):
+        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
+        s, _ = tiles.logits(q_ref[...], k_ref[cols, :], qi, ki, mod, scale)
         acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
         if dense:
-            acc = acc.update(s, None, v_ref[...])
+            acc = acc.update(s, None, v_ref[cols, :])
         else:
-            s, v = tiles.nan_columns(s, v_ref[...])
+            s, v = tiles.nan_columns(s, v_ref[cols, :])
             acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
         m_ref[...] = _lanes(acc.m)
         total_ref[...] = _lanes(acc.total)
         acc_ref[...] = acc.acc
 
-    _when_runs(rebuild_mask, run_ref, tile, update)
+    block_kv = k_ref.shape[0]
+    _when_runs(
+        rebuild_mask,
+        run_ref,
+        tile,
+        lambda dense: _key_chunks(block_kv, block_kv_compute, lambda c: update(dense, c)),
+    )
 
     @pl.when(j == num_kv - 1)
     def _finish():
@@ -175,6 +198,7 @@ def _backward_kernel(
     num_q: int,
     num_kv: int,
     groups: int,
+    block_kv_compute: int,
     carried: bool = False,
 ):
     """dQ, dK and dV in one pass over the tile pairs (a fused backward): each pair's
@@ -209,13 +233,13 @@ def _backward_kernel(
     def _init_q():
         dq_acc[rows, :] = jnp.zeros((block_q, dq_acc.shape[1]), jnp.float32)
 
-    def grads(dense: bool):
-        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref)
-        q, k, d_out = q_ref[...], k_ref[...], do_ref[...]
+    def grads(dense: bool, cols):
+        qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
+        q, k, d_out = q_ref[...], k_ref[cols, :], do_ref[...]
         p, ds, k_finite = tiles.tile_grads(
             q,
             k,
-            v_ref[...],
+            v_ref[cols, :],
             d_out,
             lse_ref[:, :1],
             delta_ref[:, :1],
@@ -226,11 +250,17 @@ def _backward_kernel(
             scale,
         )
         ds_low = ds.astype(q.dtype)
-        dv_acc[...] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
-        dk_acc[...] += tiles.matmul_tn(ds_low, q)
+        dv_acc[cols, :] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
+        dk_acc[cols, :] += tiles.matmul_tn(ds_low, q)
         dq_acc[rows, :] += tiles.matmul(ds_low, k_finite)
 
-    _when_runs(rebuild_mask, run_ref, tile, grads)
+    block_kv = k_ref.shape[0]
+    _when_runs(
+        rebuild_mask,
+        run_ref,
+        tile,
+        lambda dense: _key_chunks(block_kv, block_kv_compute, lambda c: grads(dense, c)),
+    )
 
     @pl.when(t == num_kv - 1)
     def _finish_q():
@@ -339,7 +369,11 @@ _MAX_SCOPED_VMEM = 56 * 2**20
 
 
 def _scoped_vmem(
-    t: common.Tiling, itemsize: int, carried: bool = False, dq_rows: int = 0
+    t: common.Tiling,
+    itemsize: int,
+    carried: bool = False,
+    dq_rows: int = 0,
+    compute: int | None = None,
 ) -> int:
     """Bytes of VMEM the largest of the three kernels holds for tiles `t`, from above.
 
@@ -353,7 +387,8 @@ def _scoped_vmem(
     two more float32 blocks, double-buffered, counted whole (512 x 1024 tiles at
     head_dim 128 under `Document` took 16.42 MiB, past the default limit). The fused
     backward's dQ accumulator, `dq_rows` float32 rows of the call (`_dq_rows`), and its
-    output block are counted whole too."""
+    output block are counted whole too. The score tiles are `compute` key columns wide
+    (`block_kv_compute`; the whole tile by default)."""
     bq, bk, d = t.block_q, t.block_kv, t.head_dim
     blocks = 2 * 2 * itemsize * d * (bq + bk)
     rows = 2 * 2 * 4 * bq * _LANES
@@ -361,7 +396,8 @@ def _scoped_vmem(
     accumulators = max(24 * bk * d, 12 * bq * d)
     carried_blocks = 2 * 2 * 4 * bk * d * carried
     dq = (4 * dq_rows * d + 2 * 4 * bq * d) if dq_rows else 0
-    body = int(0.9 * (16 * bq * bk + blocks + rows + records + accumulators))
+    scores = 16 * bq * (compute or bk)
+    body = int(0.9 * (scores + blocks + rows + records + accumulators))
     return body + carried_blocks + dq
 
 
@@ -376,13 +412,18 @@ def _dq_row_tiles(t: common.Tiling) -> int:
 
 
 def _vmem_limit(
-    t: common.Tiling, inputs, interpret: bool, carried: bool = False, dq_rows: int = 0
+    t: common.Tiling,
+    inputs,
+    interpret: bool,
+    carried: bool = False,
+    dq_rows: int = 0,
+    compute: int | None = None,
 ) -> int | None:
     """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
     fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
     refuses them only when compiling, with a message about the kernel's internals)."""
     itemsize = inputs[0].dtype.itemsize
-    need = _scoped_vmem(t, itemsize, carried, dq_rows)
+    need = _scoped_vmem(t, itemsize, carried, dq_rows, compute)
     if interpret or need <= _DEFAULT_SCOPED_VMEM:
         return None
     if need > _MAX_SCOPED_VMEM:
@@ -433,6 +474,7 @@ class _Call(NamedTuple):
     ops: common.Operands
     part: _Part
     interpret: bool
+    block_kv_compute: int
 
     def __call__(
         self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_specs=(), dq_rows=0
@@ -452,7 +494,9 @@ class _Call(NamedTuple):
             kernel = _without_refs(kernel, start, hidden)
         carried = hidden < len(into)
         semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
-        vmem = _vmem_limit(self.t, inputs, self.interpret, carried, dq_rows)
+        vmem = _vmem_limit(
+            self.t, inputs, self.interpret, carried, dq_rows, self.block_kv_compute
+        )
         return pl.pallas_call(
             kernel,
             grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -481,7 +525,11 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
     bq, d = t.block_q, t.head_dim
     rows = (t.batch, t.heads, c.part.length)
     kernel = functools.partial(
-        _forward_kernel, **c.ops.kernel_args, num_q=t.num_q, num_kv=t.num_kv
+        _forward_kernel,
+        **c.ops.kernel_args,
+        num_q=t.num_q,
+        num_kv=t.num_kv,
+        block_kv_compute=c.block_kv_compute,
     )
     return c(
         kernel,
@@ -516,6 +564,7 @@ def _backward_call(c: _Call) -> tuple[Array, Array, Array]:
         num_q=t.num_q,
         num_kv=t.num_kv,
         groups=t.groups,
+        block_kv_compute=c.block_kv_compute,
         carried=len(c.part.into) > 1,
     )
     block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
@@ -624,6 +673,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `block_q`: query tile (static), a multiple of 8.
     - `block_kv`: key tile (static), a multiple of 128.
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
+    - `block_kv_compute`: key columns computed at a time within a `block_kv` tile
+      (static; a multiple of 128 dividing `block_kv`), or None for the whole tile: the
+      tile is copied in one DMA, its scores computed in smaller pieces.
 
     Tiles (as shrunk to the sequence) whose kernels need more than Mosaic's default
     scoped VMEM (16 MiB on v5e and v5p), such as 1024 x 1024, or head_dim 256 at the
@@ -661,6 +713,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
     block_q: int = eqx.field(static=True, default=512, converter=as_int)
     block_kv: int = eqx.field(static=True, default=1024, converter=as_int)
     interpret: bool = eqx.field(static=True, default=False)
+    block_kv_compute: int | None = eqx.field(static=True, default=None)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
@@ -673,6 +726,17 @@ class PallasTpuKernel(AbstractAttentionKernel):
                     f"PallasTpuKernel `{name}` must be a positive multiple of "
                     f"{multiple} (TPU vreg tiles); got {value!r}."
                 )
+        compute = self.block_kv_compute
+        if compute is not None and (
+            not isinstance(compute, int)
+            or compute < _LANES
+            or compute % _LANES != 0
+            or self.block_kv % compute != 0
+        ):
+            raise ValueError(
+                f"PallasTpuKernel `block_kv_compute` must be None or a positive multiple "
+                f"of {_LANES} that divides `block_kv`={self.block_kv}; got {compute!r}."
+            )
 
     def unsupported_head_dim(self, head_dim: int) -> str | None:
         """None where the kernel takes heads `head_dim` wide; else a description of the
@@ -691,6 +755,14 @@ class PallasTpuKernel(AbstractAttentionKernel):
             return q
         tiles.check_lowerable(mask, score_mod, "PallasTpuKernel", "TPU", "Mosaic")
         return tiles.platform_check(q, "PallasTpuKernel", ("tpu",), "TPU", "Mosaic")
+
+    def _compute(self, t: common.Tiling) -> int:
+        """The key columns computed at a time in a tile of `t` (`block_kv_compute`, at
+        most the tile as shrunk to the sequence)."""
+        compute = self.block_kv_compute
+        if compute is None or compute >= t.block_kv or t.block_kv % compute != 0:
+            return t.block_kv
+        return compute
 
     def _tiling(self, q: Array, k: Array) -> common.Tiling:
         q_len, kv_len = q.shape[2], k.shape[2]
@@ -739,7 +811,10 @@ class PallasTpuKernel(AbstractAttentionKernel):
             )
 
             def call(tc, table_c, part):
-                c = _Call(tc, "forward", tile_plan(table_c), inputs, ops, part, self.interpret)
+                c = _Call(
+                    tc, "forward", tile_plan(table_c), inputs, ops, part, self.interpret,
+                    self._compute(t),
+                )
                 return _forward_call(c)
 
             out, lse = split.run(table, call)
@@ -785,7 +860,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 # dQ writes into dQ so far, dK/dV add to dK and dV so far.
                 plan = tile_plan(jnp.swapaxes(table_c, 1, 2))
                 return _backward_call(
-                    _Call(tc, "backward", plan, inputs, ops, part, self.interpret)
+                    _Call(tc, "backward", plan, inputs, ops, part, self.interpret,
+                          self._compute(t))
                 )
 
             dq, dk, dv = split.run(table, call)
