@@ -300,15 +300,15 @@ def candidates(shape: Shape, mesh, tiles: list[tuple[int, int]], only: set[str] 
         ("ringeqx", lambda: ring_candidate("ringeqx", shape, mesh, "auto", "kernel")),
         ("kernel", lambda: kernel_candidate("kernel", shape, auto)),
     ]
-    for bq, bkv in tiles:
-        suffix = f"[{bq}x{bkv}]"
+    for bq, bkv, *compute in tiles:
+        suffix = f"[{'x'.join(str(x) for x in (bq, bkv, *compute))}]"
+        make = functools.partial(rx.PallasTpuKernel, bq, bkv, block_kv_compute=(compute or [None])[0])
 
-        def ring(bq=bq, bkv=bkv, suffix=suffix):
-            kernel = rx.PallasTpuKernel(bq, bkv)
-            return ring_candidate("ringeqx" + suffix, shape, mesh, kernel, "kernel" + suffix)
+        def ring(make=make, suffix=suffix):
+            return ring_candidate("ringeqx" + suffix, shape, mesh, make(), "kernel" + suffix)
 
-        def bare(bq=bq, bkv=bkv, suffix=suffix):
-            return kernel_candidate("kernel" + suffix, shape, rx.PallasTpuKernel(bq, bkv))
+        def bare(make=make, suffix=suffix):
+            return kernel_candidate("kernel" + suffix, shape, make())
 
         makers += [("ringeqx" + suffix, ring), ("kernel" + suffix, bare)]
     makers += [
@@ -670,7 +670,7 @@ def _tiles(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(x) for x in t.split("x")) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tiles are BQxBKV,...; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"tiles are BQxBKV[xBKV_COMPUTE],...; got {text!r}") from None
 
 
 def _parse(argv):
@@ -678,7 +678,7 @@ def _parse(argv):
     parser.add_argument("--shapes", default=None, help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--only", default=None, help="comma-separated candidate names")
-    parser.add_argument("--tiles", type=_tiles, default=[], help="extra ringeqx tiles, 1024x2048")
+    parser.add_argument("--tiles", type=_tiles, default=[], help="extra ringeqx tiles, 1024x2048 or 1024x1024x512 (block_kv_compute)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--memory", action="store_true", help="print temp GiB per candidate")
     parser.add_argument("--check", action="store_true", help="numerics at 8k-d128-causal")

@@ -818,3 +818,25 @@ def test_tpu_kernel_computes_a_key_tile_in_pieces():
     for bad in (100, 384, 0):
         with pytest.raises(ValueError, match="`block_kv_compute` must be None or a positive"):
             rx.PallasTpuKernel(block_kv=256, block_kv_compute=bad)
+
+
+def test_tpu_kernel_query_tiles_of_whole_vregs(monkeypatch):
+    # Query tiles a multiple of 128 wide: the forward writes lse as rows (transposed
+    # once per query tile, 16 times smaller than along lanes), here 300 queries in 3
+    # tiles of 128 (the last partly padding); in one call, and split into calls of one
+    # query tile each (the forward's lse rows written at their offsets, the backward's
+    # lse and delta taken for each call's rows).
+    from ringeqx._kernels import _pallas_tpu
+
+    length, heads, kv_heads = 300, 4, 2
+    q, k, v = qkv(jax.random.key(5), (2,), length, heads, kv_heads, 64)
+    d_out = jax.random.normal(jax.random.key(6), q.shape, jnp.float32)
+    info = _records(2, length)
+    hq, hk, hv, hdo = (_heads_major(x) for x in (q, k, v, d_out))
+    cases = [Case(hq, hk, hv, info, info, rx.Causal() & rx.Document(), None, hdo)]
+    kernel = rx.PallasTpuKernel(block_q=128, block_kv=256, block_kv_compute=128, interpret=True)
+    xla = _run(XLA, cases)
+    assert _pallas_tpu._lse_rows(kernel._tiling(hq, hk))
+    for smem in (1 << 20, 32):
+        monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", smem)
+        _check(f"SMEM {smem}", _run(kernel, cases)[0], xla[0], 2e-5, "XlaKernel")

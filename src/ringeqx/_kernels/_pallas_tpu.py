@@ -113,6 +113,19 @@ def _lanes(x: Array) -> Array:
     return jnp.broadcast_to(x, x.shape[:-1] + (_LANES,))
 
 
+def _lse_rows(t: common.Tiling) -> bool:
+    """Whether the forward writes lse as rows, `[8, bq]` blocks of a `[b, h, 8, lq]`
+    array (16 times smaller than `[bq, 128]` blocks along lanes): where the query tile
+    is whole vregs wide (a multiple of 128), which the transpose needs."""
+    return t.block_q % _LANES == 0
+
+
+def _lse_block(lanes: Array, shape: tuple[int, ...]) -> Array:
+    """The forward's lse block of `shape` from `[bq, 128]` lanes: as they are, or
+    transposed to rows (`_lse_rows`), once per query tile."""
+    return lanes if shape == lanes.shape else lanes.T[: shape[0]]
+
+
 def _when_runs(rebuild_mask: tiles.MaskReader, run_ref, tile, body: Callable[[bool], None]):
     """Run `body(dense)` where the tile table says tile `tile` runs: `body(False)` with
     the elementwise mask, `body(True)` where every pair attends (splash attention's
@@ -176,7 +189,7 @@ def _forward_kernel(
     def _finish():
         out, lse = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...]).finish()
         o_ref[...] = out
-        lse_ref[...] = _lanes(lse)
+        lse_ref[...] = _lse_block(_lanes(lse), lse_ref.shape)
 
 
 def _backward_kernel(
@@ -208,11 +221,14 @@ def _backward_kernel(
     The grid is `(batch, kv head, key tile, query head in the group, query tile)`: a
     key tile's dK and dV accumulate in VMEM over the query tiles of every head of its
     group; every query tile's dQ accumulates in a VMEM scratch of the call's rows
-    (`_QuerySplit` bounds them) over the key tiles, and is written at the last one."""
+    (`_QuerySplit` bounds them) over the key tiles, and is written at the last one,
+    into an output of the call's rows alone: a dQ output aliased across calls, beside
+    dK and dV carried, made libtpu fail ("Can't deep copy instruction") or never finish
+    compiling inside the ring's `cond`."""
     # With `carried`, dK and dV so far (`_QuerySplit`) come in before the outputs and
     # the accumulators start from them.
     mask_refs, mod_refs = refs[:num_mask], refs[num_mask : len(refs) - 6 - 2 * carried]
-    dq_ref, dk_ref, dv_ref, dq_acc, dk_acc, dv_acc = refs[-6:]
+    dk_ref, dv_ref, dq_ref, dq_acc, dk_acc, dv_acc = refs[-6:]
     b, t, i = pl.program_id(0), pl.program_id(2), pl.program_id(4)
     g = pl.program_id(3)
     tile = (b * num_kv + t) * num_q + i
@@ -281,6 +297,7 @@ class _Maps(NamedTuple):
     q_rec: Callable
     k_rec: Callable
     head: Callable
+    rows: Callable | None = None
 
 
 def _query_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
@@ -321,19 +338,22 @@ def _key_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
     def head_map(b, j, s, gi, i, *_):
         return j * groups + gi
 
-    return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map)
+    # lse and delta are the call's own rows (`PallasTpuKernel.backward`): not shifted.
+    rows_map = q_index_map(groups, t.num_q, t.num_kv)
+    return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map, rows_map)
 
 
-def _dq_out_map(t: common.Tiling, first: int = 0) -> Callable:
-    """Index map of dQ in the backward's grid: query tile `i` of head `j * groups + gi`
-    at the last key tile, where the kernel writes it; before that the block the last
-    key tile starts with, so that the pipeline writes nothing back until it is whole."""
+def _dq_out_map(t: common.Tiling) -> Callable:
+    """Index map of dQ (the call's rows) in the backward's grid: query tile `i` of head
+    `j * groups + gi` at the last key tile, where the kernel writes it; before that the
+    block the last key tile starts with, so that the pipeline writes nothing back until
+    it is whole."""
     groups, last = t.groups, t.num_kv - 1
 
     def index_map(b, j, s, gi, i, *_):
         at_last = s == last
         head = j * groups + jnp.where(at_last, gi, 0)
-        return b, head, _shifted(jnp.where(at_last, i, 0), first), 0
+        return b, head, jnp.where(at_last, i, 0), 0
 
     return index_map
 
@@ -343,10 +363,10 @@ def _in_specs(
 ) -> list[Any]:
     """Block specs of the inputs `(Q, K, V[, dO, lse, delta], Q records, K records,
     *mask leaves, *modifier leaves)`; the backward's per-row lse and delta are
-    `[bq, 128]` (`_lanes`)."""
+    `[bq, 128]` (`_lanes`), of the call's rows only (`maps.rows`)."""
     q_side = pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q)
     kv_side = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
-    rows = pl.BlockSpec((None, None, t.block_q, _LANES), maps.q)
+    rows = pl.BlockSpec((None, None, t.block_q, _LANES), maps.rows)
     grads = [q_side, rows, rows] if backward else []
     return [
         q_side,
@@ -518,12 +538,22 @@ class _Call(NamedTuple):
 
 
 def _forward_call(c: _Call) -> tuple[Array, Array]:
-    """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
-    records, K records)`, the queries `c.part` covers written."""
+    """`(out [b, h, lq, d], lse)` of the padded inputs `(Q, K, V, Q records, K
+    records)`, the queries `c.part` covers written; lse is `[b, h, 8, lq]` rows where
+    `_lse_rows`, else `[b, h, lq, 128]` along lanes."""
     t = c.t
     maps = _query_grid_maps(t, c.part.first)
     bq, d = t.block_q, t.head_dim
     rows = (t.batch, t.heads, c.part.length)
+    if _lse_rows(t):
+        first = c.part.first
+        lse_spec = pl.BlockSpec(
+            (None, None, _SUBLANES, bq), lambda b, h, i, j, *_: (b, h, 0, _shifted(i, first))
+        )
+        lse_shape = (t.batch, t.heads, _SUBLANES, c.part.length)
+    else:
+        lse_spec = pl.BlockSpec((None, None, bq, _LANES), maps.q)
+        lse_shape = rows + (_LANES,)
     kernel = functools.partial(
         _forward_kernel,
         **c.ops.kernel_args,
@@ -535,10 +565,7 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
         kernel,
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
         in_specs=_in_specs(t, maps, c.ops, backward=False),
-        out_specs=[
-            pl.BlockSpec((None, None, bq, d), maps.q),
-            pl.BlockSpec((None, None, bq, _LANES), maps.q),
-        ],
+        out_specs=[pl.BlockSpec((None, None, bq, d), maps.q), lse_spec],
         scratch=[
             pltpu.VMEM((bq, _LANES), jnp.float32),
             pltpu.VMEM((bq, _LANES), jnp.float32),
@@ -546,16 +573,16 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
         ],
         out_shape=[
             jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
-            jax.ShapeDtypeStruct(rows + (_LANES,), jnp.float32),
+            jax.ShapeDtypeStruct(lse_shape, jnp.float32),
         ],
     )
 
 
 def _backward_call(c: _Call) -> tuple[Array, Array, Array]:
-    """`(dQ [b, h, lq, d], dK, dV [b, kv_heads, lk, d])` of the padded backward inputs
-    (`_backward_kernel`): dQ for the queries `c.part` covers, each key tile's dK and dV
-    accumulated over those queries of every query head in its group, from the dK and dV
-    of the calls before (`c.part.into`) if any."""
+    """`(dK, dV [b, kv_heads, lk, d], dQ [b, h, rows, d])` of the padded backward inputs
+    (`_backward_kernel`): each key tile's dK and dV accumulated over the queries
+    `c.part` covers of every query head in its group, from the dK and dV of the calls
+    before (`c.part.into`) if any; dQ of those queries' rows."""
     t = c.t
     maps = _key_grid_maps(t, c.part.first)
     kernel = functools.partial(
@@ -565,28 +592,28 @@ def _backward_call(c: _Call) -> tuple[Array, Array, Array]:
         num_kv=t.num_kv,
         groups=t.groups,
         block_kv_compute=c.block_kv_compute,
-        carried=len(c.part.into) > 1,
+        carried=bool(c.part.into),
     )
     block = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
-    dq_block = pl.BlockSpec((None, None, t.block_q, t.head_dim), _dq_out_map(t, c.part.first))
+    dq_block = pl.BlockSpec((None, None, t.block_q, t.head_dim), _dq_out_map(t))
     dq_rows = t.groups * t.q_padded
     kv_shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
     return c(
         kernel,
         grid=(t.batch, t.kv_heads, t.num_kv, t.groups, t.num_q),
         in_specs=_in_specs(t, maps, c.ops, backward=True),
-        out_specs=[dq_block, block, block],
+        out_specs=[block, block, dq_block],
         scratch=[
             pltpu.VMEM((dq_rows, t.head_dim), jnp.float32),
             pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32),
             pltpu.VMEM((t.block_kv, t.head_dim), jnp.float32),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((t.batch, t.heads, c.part.length, t.head_dim), jnp.float32),
             jax.ShapeDtypeStruct(kv_shape, jnp.float32),
             jax.ShapeDtypeStruct(kv_shape, jnp.float32),
+            jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, t.head_dim), jnp.float32),
         ],
-        into_specs=(None, block, block) if c.part.into else (),
+        into_specs=(block, block) if c.part.into else (),
         dq_rows=dq_rows,
     )
 
@@ -818,7 +845,8 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 return _forward_call(c)
 
             out, lse = split.run(table, call)
-            return out[:, :, : t.q_len], lse[:, :, : t.q_len, 0]
+            lse = lse[:, :, 0] if _lse_rows(t) else lse[..., 0]
+            return out[:, :, : t.q_len], lse[:, :, : t.q_len]
 
     def backward(
         self,
@@ -845,24 +873,25 @@ class PallasTpuKernel(AbstractAttentionKernel):
             split = _QuerySplit.of(t, table.shape[-1], _dq_row_tiles(t))
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
-            inputs = (
-                qp,
-                kp,
-                vp,
-                dop,
-                _lanes(lse_p[..., None]),
-                _lanes(delta_p[..., None]),
-                _q_records(q_info, t.q_padded),
-                _k_records(kv_info, t.kv_padded),
-            )
+            q_rec, k_rec = _q_records(q_info, t.q_padded), _k_records(kv_info, t.kv_padded)
+
+            dq_parts = []
 
             def call(tc, table_c, part):
-                # dQ writes into dQ so far, dK/dV add to dK and dV so far.
+                # dK/dV add to dK and dV so far; dQ is this call's rows. lse and delta
+                # go along lanes for this call's rows alone: 128 times their size, which
+                # for a whole long shard was gigabytes.
+                rows = slice(part.first * t.block_q, part.first * t.block_q + tc.q_padded)
+                lse_c, delta_c = (_lanes(x[:, :, rows, None]) for x in (lse_p, delta_p))
+                inputs = (qp, kp, vp, dop, lse_c, delta_c, q_rec, k_rec)
                 plan = tile_plan(jnp.swapaxes(table_c, 1, 2))
-                return _backward_call(
+                dk, dv, dq = _backward_call(
                     _Call(tc, "backward", plan, inputs, ops, part, self.interpret,
                           self._compute(t))
                 )
+                dq_parts.append(dq)
+                return dk, dv
 
-            dq, dk, dv = split.run(table, call)
+            dk, dv = split.run(table, call)
+            dq = dq_parts[0] if len(dq_parts) == 1 else jnp.concatenate(dq_parts, axis=2)
             return common.trim_grads(t, dq, dk, dv)
