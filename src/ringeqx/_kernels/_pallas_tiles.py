@@ -585,8 +585,9 @@ def tile_grads(
     score_mod: AbstractScoreMod | None,
     scale: float,
 ) -> tuple[Array, Array, Array]:
-    """Probabilities `p` (from the global lse, `[bq, 1]` with -inf replaced by 0) and
-    the logit gradients `ds` of one tile, both `[bq, bk]` float32 (Flash Attention 2),
+    """Probabilities `p` (from the global lse, `[bq, 1]` or as wide as the tile, with
+    -inf replaced by 0; `delta` likewise) and the logit gradients `ds` of one tile,
+    both `[bq, bk]` float32 (Flash Attention 2),
     and `k` with its non-finite values zeroed (`nan_columns`), for dQ = dS K: masked
     pairs contribute exactly nothing to any of them. `mask=None` is a dense tile (every
     pair attends, `MaskReader.dense`): no elementwise mask, and `k` as it is, as in

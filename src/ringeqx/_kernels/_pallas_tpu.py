@@ -104,13 +104,20 @@ def _key_chunks(block_kv: int, block_kv_compute: int, body: Callable[[Any], None
         body(pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute))
         return carry
 
-    jax.lax.fori_loop(0, chunks, step, 0)
+    jax.lax.fori_loop(0, chunks, step, 0, unroll=True)
 
 
 def _lanes(x: Array) -> Array:
     """`[..., 1]` -> `[..., 128]`: per-row statistics (lse, delta, the running max and
     sum) broadcast along lanes."""
     return jnp.broadcast_to(x, x.shape[:-1] + (_LANES,))
+
+
+def _widen(x: Array, n: int) -> Array:
+    """`[bq, 128]` per-row statistics (every lane equal) as `[bq, n]`: whole vregs
+    tiled along lanes (splash attention's way), which costs no broadcast of a column;
+    for `n` under 128 (head_dim 64) the first `n` lanes."""
+    return jnp.tile(x, (1, n // _LANES)) if n % _LANES == 0 else x[:, :n]
 
 
 def _lse_rows(t: common.Tiling) -> bool:
@@ -167,14 +174,15 @@ def _forward_kernel(
     def update(dense: bool, cols):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
         s, _ = tiles.logits(q_ref[...], k_ref[cols, :], qi, ki, mod, scale)
-        acc = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...])
+        # The running max and sum stay `[bq, 128]` along lanes (`_widen`).
+        acc = tiles.Softmax(m_ref[...], total_ref[...], acc_ref[...])
         if dense:
-            acc = acc.update(s, None, v_ref[cols, :])
+            acc = acc.update(s, None, v_ref[cols, :], widen=_widen)
         else:
             s, v = tiles.nan_columns(s, v_ref[cols, :])
-            acc = acc.update(s, tiles.allowed(mask, qi, ki), v)
-        m_ref[...] = _lanes(acc.m)
-        total_ref[...] = _lanes(acc.total)
+            acc = acc.update(s, tiles.allowed(mask, qi, ki), v, widen=_widen)
+        m_ref[...] = acc.m
+        total_ref[...] = acc.total
         acc_ref[...] = acc.acc
 
     block_kv = k_ref.shape[0]
@@ -252,13 +260,14 @@ def _backward_kernel(
     def grads(dense: bool, cols):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
         q, k, d_out = q_ref[...], k_ref[cols, :], do_ref[...]
+        width = k.shape[0]
         p, ds, k_finite = tiles.tile_grads(
             q,
             k,
             v_ref[cols, :],
             d_out,
-            lse_ref[:, :1],
-            delta_ref[:, :1],
+            _widen(lse_ref[...], width),
+            _widen(delta_ref[...], width),
             qi,
             ki,
             None if dense else mask,

@@ -83,19 +83,24 @@ class Softmax(eqx.Module):
         ok: Array | None,
         v: Array,
         pv: Callable[[Array, Array], Array] = matmul,
+        widen: Callable[[Array, int], Array] | None = None,
     ) -> "Softmax":
         """Fold in a tile of logits `s` (`[..., bq, bk]`; `ok` marks attending pairs,
         None where all do) and values `v`; `pv(p, v)` gives the float32 `[..., bq, d]`
-        product (`p @ v` for one head)."""
+        product (`p @ v` for one head). With `widen`, `m` and `total` are kept as they
+        come (a TPU kernel's `[bq, 128]`, every lane equal) and `widen(x, n)` gives
+        them `n` columns wide (tiled vregs instead of a broadcast column)."""
         if ok is not None:
             s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(self.m, jnp.max(s, axis=-1, keepdims=True))
         # Rows that have seen nothing keep m = -inf; exponentiate against 0 instead.
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe)
+        wide = widen or (lambda x, _: x)
+        p = jnp.exp(s - wide(m_safe, s.shape[-1]))
         alpha = jnp.exp(self.m - m_safe)
         total = self.total * alpha + jnp.sum(p, axis=-1, keepdims=True)
-        return Softmax(m_new, total, self.acc * alpha + pv(p.astype(v.dtype), v))
+        acc = self.acc * wide(alpha, self.acc.shape[-1]) + pv(p.astype(v.dtype), v)
+        return Softmax(m_new, total, acc)
 
     def finish(self) -> tuple[Array, Array]:
         """`(out [..., bq, d], lse [..., bq, 1])`; rows that saw nothing give 0 and
