@@ -6,6 +6,9 @@ or `nox -s demo -- --seq-len 4096`. Each session has its own virtual environment
 rebuilds one.
 """
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -15,6 +18,34 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tests", "lint", "docs"]
 
 ROOT = Path(__file__).parent
+
+# The supported range's two ends, each the newest Python its JAX supports (JAX 0.11 dropped
+# Python 3.11). `tests` and `aot` run on both: `nox -s "tests(newest)"` or `nox -t oldest`
+# picks one end. Keep pyproject's `jax>=`, its classifiers and the README's line in step.
+_ENDS = [
+    nox.param("3.11", "0.10.2", id="oldest", tags=["oldest"]),
+    nox.param("3.13", "0.12.0.1", id="newest", tags=["newest"]),
+]
+
+
+def _pyenv_interpreters() -> None:
+    """Let nox find every Python that pyenv has installed, not only the selected one.
+
+    pyenv's `python3.13` shim runs only when 3.13 is among the selected versions
+    (`PYENV_VERSION`, or `pyenv global`); otherwise nox would skip that end (or, on CI,
+    fail). The version selected now stays first, so `python` means what it meant.
+    """
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    pyenv = ["pyenv", "version-name"], ["pyenv", "versions", "--bare"]
+    current, installed = (
+        subprocess.run(cmd, capture_output=True, text=True).stdout.split() for cmd in pyenv
+    )
+    if installed:
+        os.environ["PYENV_VERSION"] = ":".join(current + installed)
+
+
+_pyenv_interpreters()
 
 # Executes each notebook given on the command line headless, in order; the first cell
 # that raises fails the run (nbclient raises CellExecutionError).
@@ -35,13 +66,16 @@ for path in sys.argv[1:]:
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """Run the test suite with pytest.
+@nox.parametrize(("python", "jax"), _ENDS)
+def tests(session: nox.Session, jax: str) -> None:
+    """Run the test suite with pytest, on the oldest and on the newest supported JAX.
 
-    Shapes are checked at runtime by jaxtyping + beartype (pyproject's `addopts`).
-    Posargs go to pytest. A run that collects no tests fails (pytest exits 5).
+    `tests(oldest)` is Python 3.11 with JAX 0.10.2, `tests(newest)` Python 3.13 with JAX
+    0.12.0.1; `nox -s tests` runs both. Shapes are checked at runtime by jaxtyping +
+    beartype (pyproject's `addopts`). Posargs go to pytest. A run that collects no tests
+    fails (pytest exits 5).
     """
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", f"jax=={jax}", f"jaxlib=={jax}")
     session.run("python", "-m", "pytest", *session.posargs)
 
 
@@ -92,26 +126,39 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/ring_vs_dense.py", *session.posargs)
 
 
-# The compilers of `nox -s aot`, pinned to the JAX release the package is tested with:
+# The compilers of `nox -s aot`, each pinned to the JAX release of its end (`_AOT`):
 # libtpu and the CUDA plugin are built against one jaxlib.
 _COMPILERS = {
-    "tpu": ["jax[tpu]==0.10.2"],
-    "gpu": ["jax[cuda12]==0.10.2", "nvidia-cuda-nvcc-cu12"],
+    "tpu": lambda jax: [f"jax[tpu]=={jax}"],
+    "gpu": lambda jax: [f"jax[cuda12]=={jax}", "nvidia-cuda-nvcc-cu12"],
 }
 
 
+# Each compiler at each end of the range, but the CUDA plugin 0.12.0.1: there Triton
+# lowers only under a mesh that names the GPU (`aot/test_gpu_matrix.py` lowers without
+# one: "No supported GPU devices found, please specify an abstract GPU device"), and
+# under `jax.set_mesh` the compile writes no `*.ptx` to `xla_dump_to`, which the spill
+# checks read ("no PTX dumped for h100"). `aot/test_gpu_targets.py` passes on it.
+_AOT = [
+    nox.param("3.11", "0.10.2", "tpu", id="oldest, tpu", tags=["oldest"]),
+    nox.param("3.11", "0.10.2", "gpu", id="oldest, gpu", tags=["oldest"]),
+    nox.param("3.13", "0.12.0.1", "tpu", id="newest, tpu", tags=["newest"]),
+]
+
+
 @nox.session
-@nox.parametrize("target", list(_COMPILERS))
-def aot(session: nox.Session, target: str) -> None:
+@nox.parametrize(("python", "jax", "target"), _AOT)
+def aot(session: nox.Session, jax: str, target: str) -> None:
     """Compile for real TPUs and GPUs on this machine (no accelerator needed).
 
-    One venv per compiler (`aot(target='tpu')` with libtpu, `aot(target='gpu')` with
-    the CUDA plugin and ptxas) runs `aot/test_{target}_*.py`: every kernel and the ring,
-    fwd + grad, compiled for TPU v5e/v5p and H100/A100 meshes of compile-only devices
-    (`ringeqx.target_mesh`), with checks that read what the compilers emit (spills,
-    the scheduled HLO). Posargs go to pytest.
+    One venv per compiler and end of the supported range (`aot(newest, tpu)` with
+    libtpu 0.0.50, `aot(oldest, gpu)` with the CUDA plugin and ptxas, ...) runs
+    `aot/test_{target}_*.py`: every kernel and the ring, fwd + grad, compiled for TPU
+    v5e/v5p and H100/A100 meshes of compile-only devices (`ringeqx.target_mesh`), with
+    checks that read what the compilers emit (spills, the scheduled HLO). Posargs go to
+    pytest.
     """
-    session.install("-e", ".", "pytest", "pytest-xdist", "beartype", *_COMPILERS[target])
+    session.install("-e", ".", "pytest", "pytest-xdist", "beartype", *_COMPILERS[target](jax))
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "aot").glob(f"test_{target}_*.py"))
     if not tests:
         session.error(f"No aot/test_{target}_*.py files.")

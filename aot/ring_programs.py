@@ -80,7 +80,9 @@ _WIRE_BITS = {"bf16_wire": "u16", "fp8_wire": "u8"}
 _KERNEL_CALLS = {
     "tpu": (
         re.compile(r'custom_call_target="tpu_custom_call"'),
-        re.compile(r"%(ringeqx_tpu_flash_\w+?)(?:\.\d+)? ="),
+        # The instruction's name, with XLA's suffixes: `.3`, and on JAX 0.12 also the
+        # output's, `ringeqx_tpu_flash_backward_dq.2.refs_10_`.
+        re.compile(r"%(ringeqx_tpu_flash_[a-z_]*[a-z])[\w.]* ="),
     ),
     "gpu": (
         re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"'),

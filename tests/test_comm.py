@@ -455,6 +455,7 @@ def test_report_names_the_mesh_axis():
     assert _axes_of("replica_groups=[2,4]<=[8]", m) == ("sequence",)
     assert _axes_of("replica_groups=[4,2]<=[2,4]T(1,0)", m) == ("batch",)
     assert _axes_of("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", m) == ("sequence",)
+    assert _axes_of("replica_groups=mesh['batch'=2,'sequence'=4] {'batch'}", m) == ("batch",)
 
 
 @pytest.mark.parametrize(

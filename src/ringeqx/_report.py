@@ -249,10 +249,14 @@ def _axes_of(attributes: str, mesh) -> tuple[str, ...]:
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes)
     named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
     if named:
-        # XLA's own factorisation of the devices, `mesh['axis_0'=1,'axis_1'=8] {'axis_1'}`:
-        # each group is the devices that vary along the listed axes (row-major ids).
-        sizes = [int(n) for n in re.findall(r"=(\d+)", named.group(1))]
-        listed = [int(k) for k in re.findall(r"axis_(\d+)", named.group(2))]
+        # XLA's own factorisation of the devices, `mesh['axis_0'=1,'axis_1'=8] {'axis_1'}`
+        # (newer XLA names the axes as the program's mesh does, `mesh['sequence'=4,
+        # 'ulysses'=2] {'ulysses'}`): each group is the devices that vary along the
+        # listed axes (row-major ids).
+        axes = re.findall(r"'([^']*)'=(\d+)", named.group(1))
+        sizes = [int(n) for _, n in axes]
+        order = [a for a, _ in axes]
+        listed = [order.index(a) for a in re.findall(r"'([^']*)'", named.group(2))]
         ids = np.moveaxis(
             np.arange(math.prod(sizes)).reshape(sizes),
             listed,

@@ -528,15 +528,19 @@ def logits(
     def mod(s):
         # The modifier's contract: scores `[*batch, heads, q, k]`, records
         # `[*batch, 1, q, 1]` and `[*batch, 1, 1, k]`; here batch and heads are 1.
+        # The scores are reshaped, not indexed with `None`: the transpose of a reshape is a
+        # reshape, where that of `s[None, None]` is a sum over two axes, which Triton's
+        # lowering in JAX 0.12 cannot do under an explicit mesh (it keeps the 4-d
+        # sharding on the 3-d partial sum).
         q4 = jax.tree.map(lambda x: x[None, None], qi)
         k4 = jax.tree.map(lambda x: x[None, None], ki)
-        out = score_mod(s[None, None], q4, k4)
+        out = score_mod(s.reshape((1, 1) + s.shape), q4, k4)
         if out.shape != (1, 1) + s.shape:
             raise ValueError(
                 f"score_mod {type(score_mod).__name__}.for_head(h) must give scores "
                 f"of the one-head tile's shape {(1, 1) + s.shape}; got {out.shape}."
             )
-        return out[0, 0]
+        return out.reshape(s.shape)
 
     s, vjp = jax.vjp(mod, s)
     return s, lambda ds: vjp(ds)[0]
