@@ -414,8 +414,8 @@ class RingPlan:
         self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps, capacity, ordered
     ):
         self.config = config
-        # On a CPU mesh (`ordered`) every transfer is one collective that carries a token
-        # (`ringeqx._order`), and the methods thread it; elsewhere the token is None.
+        # On a CPU mesh (`ordered`) every collective is tied to the previous one by a
+        # token (`ringeqx._order`), which the methods thread; elsewhere it is None.
         self.ordered = ordered
         self.axis_name = axis_name
         self.num_shards = num_shards
@@ -443,7 +443,7 @@ class RingPlan:
         return jax.tree.map(lambda a, *ps: jnp.concatenate(ps, axis=a), axes, *pieces)
 
     def _shift(self, tree, offset: int, token):
-        """`shift`, or on a CPU mesh one collective for all of `tree` and the token."""
+        """`shift`, and on a CPU mesh in the token's chain: `(tree, token)`."""
         if token is None:
             return shift(tree, self.axis_name, self.num_shards, offset), None
         offset %= self.num_shards
@@ -468,7 +468,7 @@ class RingPlan:
         layouts, hold, token)`, the arrays it delivers (`num_pieces / len(directions)`
         permutes per array, floating arrays sent in `dtype`, records packed, see
         `to_wire`), what `receive` needs to rebuild the group, `hold` back and the token
-        (on a CPU mesh: the one the hop's single collective delivers; else None).
+        (on a CPU mesh: read from the hop's last permute; else None).
 
         `hold` passes through one optimization barrier with what is sent: the ring step
         passes the kernel's inputs (and what it has computed so far), so that the
@@ -491,8 +491,7 @@ class RingPlan:
 
     def home(self, groups: tuple, axes, token=None):
         """After the last step, send each group to the device that owns it (float32, one
-        permute per group and array; on a CPU mesh one per group) and join the groups;
-        and the token."""
+        permute per group and array) and join the groups; and the token."""
         back = []
         for g, o, d in zip(groups, self.starts, self.directions):
             g, token = self._shift(g, o - d * (self.num_steps - 1), token)

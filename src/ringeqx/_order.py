@@ -9,19 +9,20 @@ collective of the other devices: their buffers are exchanged (a wrong answer) or
 participants arrive than there are devices (the process aborts, "id < num_threads").
 Optimization barriers do not order them there: XLA:CPU removes them and adds no edges.
 
-What XLA:CPU keeps is data: so on a CPU mesh each of the ring's collectives carries a
-*token*, one byte (its value means nothing), packed with what it sends, and the next
-collective's operand is built from the token it received. Every collective then waits for
-the previous one on every device, so all devices run them in the program's one order.
-Each collective moves one packed buffer, so that the arrays of one hop (K, V, their
-records, their pieces) cannot race each other either.
+What XLA:CPU keeps is data: so on a CPU mesh the ring threads a *token* (one byte; its
+value means nothing) through its collectives. Each collective's operand is computed from
+the token (`_tie`: a select on a test XLA cannot decide, which leaves the values as they
+are), and the next token is read from the collective's result. Every collective then
+waits for the previous one on every device, so all devices run them in the program's one
+order. What travels is unchanged (the same arrays, dtypes and shapes, so the HLO readers
+and the communication report see the same collectives), only no longer concurrently.
 
 TPU and GPU programs run their collectives in the order of one compiled schedule on
-every device and need none of this (it would cost them copies, and a chain would stop a
-step's transfers from overlapping each other): the ring threads no token there.
+every device and need none of this (a chain would stop a step's transfers from
+overlapping each other there): the ring threads no token on them.
 """
 
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,6 @@ def _to_bytes(x: Array) -> Array:
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint8).reshape(-1)
     return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(b: Array, shape: tuple[int, ...], dtype) -> Array:
-    """The inverse of `_to_bytes`."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.bool_:
-        return b.reshape(shape) != 0
-    if dtype.itemsize == 1:
-        return jax.lax.bitcast_convert_type(b.reshape(shape), dtype)
-    return jax.lax.bitcast_convert_type(b.reshape(*shape, dtype.itemsize), dtype)
 
 
 def start_token(*trees: PyTree) -> Array:
@@ -70,37 +61,135 @@ def join(token: Array, *trees: PyTree) -> Array:
 
 
 def after(tree: PyTree, token: Array) -> PyTree:
-    """`tree` with every floating array made to depend on `token` (its values unchanged:
-    the token's float is multiplied by zero, which XLA keeps, since for floats that is
-    not always zero), so that what reads the ring's results runs after its last
-    collective. Other arrays are returned as they are."""
-    zero = token.astype(jnp.float32)[0] * 0.0
+    """`tree` with every array computed from `token` (its values unchanged), so that what
+    reads the ring's results runs after its last collective."""
+    return jax.tree.map(lambda x: _tie(x, token) if _is_array(x) else x, tree)
 
-    def tie(x):
-        if _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x + zero.astype(x.dtype)
-        return x
 
-    return jax.tree.map(tie, tree)
+def _tie(x: Array, token: Array) -> Array:
+    """`x`, unchanged, but computed from `token`: a select that XLA keeps, since it cannot
+    tell that a float times zero is never NaN, and whose other side is made from the
+    token too (were it a constant, a constant `x`, such as a zero cotangent, would let
+    XLA fold the select away)."""
+    never = jnp.isnan(token.astype(jnp.float32)[0] * 0.0)
+    return jnp.where(never, jnp.broadcast_to(token[0].astype(x.dtype), x.shape), x)
+
+
+def _token_of(y: Array, token: Array) -> Array:
+    """The next token, read from a collective's result `y` (an empty `y` gives none)."""
+    if y.size == 0:
+        return token
+    return _to_bytes(y.reshape(-1)[:1])[:1]
+
+
+def chain(collective, xs: list, token: Array, *per_array: list) -> tuple[list, Array]:
+    """`collective(x, *args)` of each array `x` of `xs` (with its entries `args` of the
+    lists `per_array`), each one's operand tied to the previous one's result, the first
+    to `token`: `(results, token)`."""
+    out = []
+    for x, *args in zip(xs, *per_array):
+        y = collective(_tie(x, token), *args)
+        token = _token_of(y, token)
+        out.append(y)
+    return out, token
 
 
 def ppermute(tree: PyTree, axis_name, perm, token: Array) -> tuple[PyTree, Array]:
-    """`jax.lax.ppermute` of every array of `tree` as one collective that also carries
-    `token`: `(tree received, token received)`."""
+    """`jax.lax.ppermute` of every array of `tree`, in the chain: `(tree, token)`."""
     leaves, treedef = jax.tree.flatten(tree)
-    wire = jnp.concatenate([_to_bytes(x) for x in leaves] + [token])
-    got = jax.lax.ppermute(wire, axis_name, perm)
-    out, at = [], 0
-    for x in leaves:
-        n = math.prod(x.shape) * (1 if x.dtype == jnp.bool_ else x.dtype.itemsize)
-        out.append(_from_bytes(got[at : at + n], x.shape, x.dtype))
-        at += n
-    return jax.tree.unflatten(treedef, out), got[at:]
+    out, token = chain(lambda x: jax.lax.ppermute(x, axis_name, perm), leaves, token)
+    return jax.tree.unflatten(treedef, out), token
 
 
 def any_device(flag: Array, axis_name, token: Array) -> tuple[Array, Array]:
-    """Whether `flag` is true on any device of `axis_name` (one `psum` that also carries
-    `token`): `(flag, token)`."""
-    wire = jnp.concatenate([flag.astype(jnp.int32).reshape(1), token.astype(jnp.int32)])
-    got = jax.lax.psum(wire, axis_name)
-    return got[0] > 0, got[1:].astype(jnp.uint8)
+    """Whether `flag` is true on any device of `axis_name` (one `psum`), in the chain:
+    `(flag, token)`."""
+    (total,), token = chain(
+        lambda x: jax.lax.psum(x, axis_name), [flag.astype(jnp.int32)], token
+    )
+    return total > 0, token
+
+
+def skipping_none(op):
+    """`op(xs, *args, token)` on the arrays of `xs` that are not None (a transpose's
+    cotangents: None where the input is not floating), with the lists among `args` (one
+    entry per array) cut to match; None elsewhere, and no collective at all where every
+    entry is None."""
+
+    @functools.wraps(op)
+    def run(xs, *args):
+        *args, token = args
+        idx = [i for i, x in enumerate(xs) if x is not None]
+        if not idx:
+            return list(xs), token
+        args = [[a[i] for i in idx] if isinstance(a, list) else a for a in args]
+        ys, token = op([xs[i] for i in idx], *args, token)
+        out = [None] * len(xs)
+        for i, y in zip(idx, ys):
+            out[i] = y
+        return out, token
+
+    return run
+
+
+@skipping_none
+def all_to_all(xs: list, split_axes: list, concat_axes: list, axis_name, token: Array):
+    """`jax.lax.all_to_all(x, axis_name, s, c, tiled=True)` of every array of `xs` (with
+    its `s` of `split_axes` and `c` of `concat_axes`), in the chain."""
+
+    def run(x, s, c):
+        return jax.lax.all_to_all(x, axis_name, s, c, tiled=True)
+
+    return chain(run, xs, token, split_axes, concat_axes)
+
+
+@skipping_none
+def all_gather(xs: list, axes: list, axis_name, token: Array):
+    """`jax.lax.all_gather(x, axis_name, axis=a, tiled=True)` of every array of `xs`
+    (along its `a` of `axes`), in the chain."""
+
+    def run(x, a):
+        return jax.lax.all_gather(x, axis_name, axis=a, tiled=True)
+
+    return chain(run, xs, token, axes)
+
+
+@skipping_none
+def psum_scatter(xs: list, axes: list, axis_name, token: Array):
+    """`jax.lax.psum_scatter(x, axis_name, scatter_dimension=a, tiled=True)` of every
+    array of `xs` (the transpose of `all_gather`), in the chain."""
+
+    def run(x, a):
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=a, tiled=True)
+
+    return chain(run, xs, token, axes)
+
+
+def linear(forward, transpose):
+    """A linear map made of collectives, as one link of the chain with its own backward.
+
+    `forward(xs, token) -> (ys, token)` maps a list of arrays with the ordered
+    collectives above; `transpose(cts, token) -> (cts, token)` is its transpose, on
+    lists with None where an array is not floating (it has no cotangent). The forward's
+    chain starts after all of `xs` are computed; the backward's after the forward's last
+    collective and after the cotangents; and what reads either result waits for its
+    last collective. Autodiff of the collectives themselves would give a backward whose
+    collectives depend on nothing but the cotangents (so they could run during the
+    forward)."""
+
+    @jax.custom_vjp
+    def run(xs):
+        ys, token = forward(xs, start_token(xs))
+        return after(ys, token)
+
+    def run_fwd(xs):
+        ys, token = forward(xs, start_token(xs))
+        return after(ys, token), token
+
+    def run_bwd(token, cts):
+        cts = [c if jnp.issubdtype(c.dtype, jnp.floating) else None for c in cts]
+        back, token = transpose(cts, join(token, cts))
+        return (after(back, token),)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run

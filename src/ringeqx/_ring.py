@@ -391,11 +391,22 @@ def _attend(st: RingSettings, q, k, v, info, scores: Scores):
     """One device's attention for its ring shard `[b, C, h, d]`: the ring, or (allgather
     mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`."""
     if st.config.balance is not None:
-        q, k, v, info = to_zigzag((q, k, v, info), st.axis_name, st.num_shards)
+        q, k, v, info = to_zigzag(
+            (q, k, v, info), st.axis_name, st.num_shards, ordered=st.ordered
+        )
     # Heads-major inside the device: the kernels' matmuls then batch over heads.
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     kv_info = info
-    if st.config.mode == "allgather":
+    if st.config.mode == "allgather" and st.ordered:
+        # The gathers (and the reduce-scatters back) in the token's chain.
+        leaves, treedef = jax.tree.flatten((kh, vh, info))
+        axes = [2, 2] + [1] * (len(leaves) - 2)
+        gather = order.linear(
+            lambda xs, t: order.all_gather(xs, axes, st.axis_name, t),
+            lambda cts, t: order.psum_scatter(cts, axes, st.axis_name, t),
+        )
+        kh, vh, kv_info = jax.tree.unflatten(treedef, gather(leaves))
+    elif st.config.mode == "allgather":
         # Autodiff turns the gather into a reduce-scatter of dK/dV in the backward pass.
         def gather(x, axis):
             return jax.lax.all_gather(x, st.axis_name, axis=axis, tiled=True)
@@ -405,7 +416,7 @@ def _attend(st: RingSettings, q, k, v, info, scores: Scores):
     out, lse = _ring(st, qh, kh, vh, info, kv_info, scores)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
     if st.config.balance is not None:
-        out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards)
+        out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards, ordered=st.ordered)
     return out, lse
 
 
@@ -414,7 +425,19 @@ def _ulysses(st: RingSettings, q, k, v, info, scores: Scores, cast, with_lse: bo
     to `[b, C, H/U, d]` (contiguous head chunks: q head `h` and its kv head `h // groups`
     land on one device), the ring on those heads, and the inverse all-to-all back."""
     u = st.config.ulysses_axis
-    q, k, v = (jax.lax.all_to_all(x, u, 2, 1, tiled=True) for x in (q, k, v))
+
+    def trade(xs, split, concat):
+        """All-to-all of each array of `xs` (on a CPU mesh in the token's chain)."""
+        if not st.ordered:
+            return [jax.lax.all_to_all(x, u, split, concat, tiled=True) for x in xs]
+        n = len(xs)
+        run = order.linear(
+            lambda xs, t: order.all_to_all(xs, [split] * n, [concat] * n, u, t),
+            lambda cts, t: order.all_to_all(cts, [concat] * n, [split] * n, u, t),
+        )
+        return run(list(xs))
+
+    q, k, v = trade((q, k, v), 2, 1)
     heads = q.shape[2]
     mod = scores.score_mod
     if mod is not None:
@@ -422,11 +445,9 @@ def _ulysses(st: RingSettings, q, k, v, info, scores: Scores, cast, with_lse: bo
         mod.check(heads)
         scores = Scores(scores.mask, mod, scores.scale)
     out, lse = _attend(st, q, k, v, info, scores)
-
-    def back(x):
-        return jax.lax.all_to_all(x, u, 1, 2, tiled=True)
-
-    return back(cast(out)), (back(lse) if with_lse else lse)
+    if with_lse:
+        return tuple(trade((cast(out), lse), 1, 2))
+    return trade((cast(out),), 1, 2)[0], lse
 
 
 def run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
