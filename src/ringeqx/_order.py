@@ -55,14 +55,16 @@ def start_token(*trees: PyTree) -> Array:
     return token
 
 
-def join(token: Array, *trees: PyTree) -> Array:
-    """`token`, made to depend also on every array of `trees`."""
-    return token + start_token(*trees)
+def join(token: Array | None, *trees: PyTree) -> Array | None:
+    """`token`, made to depend also on every array of `trees` (None: no chain, None)."""
+    return None if token is None else token + start_token(*trees)
 
 
-def after(tree: PyTree, token: Array) -> PyTree:
+def after(tree: PyTree, token: Array | None) -> PyTree:
     """`tree` with every array computed from `token` (its values unchanged), so that what
-    reads the ring's results runs after its last collective."""
+    reads the ring's results runs after its last collective (None: no chain, `tree`)."""
+    if token is None:
+        return tree
     return jax.tree.map(lambda x: _tie(x, token) if _is_array(x) else x, tree)
 
 

@@ -183,8 +183,7 @@ def _ring_forward(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
     groups, token = _checked(st, groups, groups, q, q_info, scores, token, backward=False)
     for kv in groups:
         o, lse = _merge(o, lse, *compute(kv))
-    if token is not None:
-        o, lse = order.after((o, lse), token)
+    o, lse = order.after((o, lse), token)
     return o, lse, token
 
 
@@ -265,11 +264,9 @@ def _instantiate(ct):
 def _ring_bwd(st: RingSettings, res, cts):
     q, k, v, q_info, kv_info, scores, out, lse, token, differentiated = res
     d_out, d_lse = (_instantiate(ct) for ct in cts)
-    if token is not None:
-        # After the forward's last collective, and after what made the cotangents (the
-        # backward of the layers above, with their collectives): the backward's first
-        # K/V hop reads neither otherwise.
-        token = order.join(token, d_out, d_lse)
+    # On a CPU mesh: after the forward's last collective and what made the cotangents
+    # (the layers above, their collectives), which the first K/V hop reads neither of.
+    token = order.join(token, d_out, d_lse)
     plan = st.plan(k.shape[2])
     axes = _kv_axes(kv_info)
     acc_axes = (2, 2)
@@ -326,25 +323,14 @@ def _ring_bwd(st: RingSettings, res, cts):
             )
         return out_groups, out_accs, out_pending, local, token
 
-    n = st.num_steps
     groups, token = plan.start((k, v, kv_info), axes, token)
     local = (jnp.zeros_like(q, jnp.float32), _zero_mod_grads(scores.score_mod, diff))
-    state = hop(groups, None, None, local, token, send_kv=n > 1, send_acc=False)
-    if n > 2:
-
-        def step(state, _):
-            return hop(*state, send_kv=True, send_acc=True), None
-
-        state, _ = jax.lax.scan(step, state, None, length=n - 2)
-    if n > 1:
-        state = hop(*state, send_kv=False, send_acc=True)
+    state = _backward_steps(st.num_steps, hop, (groups, None, None, local, token))
     _, accs, pending, (dq, mod), token = state
     accs = jax.tree.map(jnp.add, accs, pending)
     (dk, dv), token = plan.home(accs, acc_axes, token)
-    if token is not None:
-        # dQ and the modifier's gradients do not travel: what reads them (the layers
-        # below) must still wait for the ring's last collective.
-        dq, mod = order.after((dq, mod), token)
+    # dQ and the modifier's gradients do not travel, yet what reads them must wait too.
+    dq, mod = order.after((dq, mod), token)
     return (
         dq.astype(q.dtype),
         dk.astype(k.dtype),
@@ -353,6 +339,21 @@ def _ring_bwd(st: RingSettings, res, cts):
         None,
         _scores_cotangent(scores, diff, mod),
     )
+
+
+def _backward_steps(n: int, hop, state):
+    """The backward's `n` steps from `state`: the first sends K/V only, the last the
+    dK/dV accumulators only, and the scanned ones between both."""
+    state = hop(*state, send_kv=n > 1, send_acc=False)
+    if n > 2:
+
+        def step(state, _):
+            return hop(*state, send_kv=True, send_acc=True), None
+
+        state, _ = jax.lax.scan(step, state, None, length=n - 2)
+    if n > 1:
+        state = hop(*state, send_kv=False, send_acc=True)
+    return state
 
 
 def _scores_cotangent(scores: Scores, diff, mod):
