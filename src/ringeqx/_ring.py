@@ -388,9 +388,10 @@ def _specs(st: RingSettings, batch_axis) -> tuple[PartitionSpec, PartitionSpec]:
     return PartitionSpec(batch_axis, seq), PartitionSpec(batch_axis, st.axis_name)
 
 
-def _attend(st: RingSettings, q, k, v, info, scores: Scores):
+def _attend(st: RingSettings, q, k, v, info, scores: Scores, with_lse: bool):
     """One device's attention for its ring shard `[b, C, h, d]`: the ring, or (allgather
-    mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`."""
+    mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`;
+    `with_lse`: whether the caller reads lse."""
     if st.config.balance is not None:
         q, k, v, info = to_zigzag(
             (q, k, v, info), st.axis_name, st.num_shards, ordered=st.ordered
@@ -416,6 +417,10 @@ def _attend(st: RingSettings, q, k, v, info, scores: Scores):
         kv_info = jax.tree.map(lambda x: gather(x, 1), info)
     out, lse = _ring(st, qh, kh, vh, info, kv_info, scores)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    if st.config.balance is not None and st.ordered and not with_lse:
+        # In the CPU chain every trade feeds the next token, so XLA could no longer drop
+        # the trade of an lse nobody reads: it is not made (its value is never used).
+        return from_zigzag(out, st.axis_name, st.num_shards, ordered=True), lse
     if st.config.balance is not None:
         out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards, ordered=st.ordered)
     return out, lse
@@ -445,7 +450,7 @@ def _ulysses(st: RingSettings, q, k, v, info, scores: Scores, cast, with_lse: bo
         mod = mod.for_heads(jax.lax.axis_index(u) * heads, heads)
         mod.check(heads)
         scores = Scores(scores.mask, mod, scores.scale)
-    out, lse = _attend(st, q, k, v, info, scores)
+    out, lse = _attend(st, q, k, v, info, scores, with_lse)
     if with_lse:
         return tuple(trade((cast(out), lse), 1, 2))
     return trade((cast(out),), 1, 2)[0], lse
@@ -479,7 +484,7 @@ def _run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
         if st.config.ulysses_axis is not None:
             out, lse = _ulysses(st, q, k, v, info, scores, cast, sinks is not None)
         else:
-            out, lse = _attend(st, q, k, v, info, scores)
+            out, lse = _attend(st, q, k, v, info, scores, sinks is not None)
             out = cast(out)
         return (out, lse) if sinks is not None else out
 
