@@ -4,13 +4,15 @@ inside the ring's `shard_map`, by two collective-permutes of half-shards (never 
 Contiguous shard `j` holds chunks `2j, 2j + 1` of the `2P` chunks of the sequence; zigzag
 shard `i` holds chunks `i` and `2P - 1 - i` (as `ringeqx.Zigzag`). Chunk `c` goes to device
 `c` if `c < P`, else `2P - 1 - c`: the even chunks form one permutation of the devices and
-the odd chunks another, so each half-shard moves in one hop.
+the odd chunks another, so each half-shard moves in one hop. On a CPU mesh (`ordered`)
+the permutes are chained by a token (`ringeqx._order`), forward and backward.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from . import _order as order
 from ._tokens import TokenInfo
 
 
@@ -53,9 +55,49 @@ def _traded(tree: PyTree) -> PyTree:
     return jax.tree.map(relabel, tree, is_leaf=lambda x: isinstance(x, TokenInfo))
 
 
-def to_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
+def _to_ordered(xs: list, axis_name: str, num_shards: int, axis: int, token):
+    """`to_zigzag` of a list of arrays, its permutes chained from `token`."""
+    even_perm, odd_perm = _perms(num_shards)
+    even_device = _even_device(axis_name)
+    lo, hi = zip(*(_halves(x, axis) for x in xs))
+    even, token = order.ppermute(list(lo), axis_name, even_perm, token)
+    odd, token = order.ppermute(list(hi), axis_name, odd_perm, token)
+    out = [
+        jnp.concatenate([jnp.where(even_device, e, o), jnp.where(even_device, o, e)], axis)
+        for e, o in zip(even, odd)
+    ]
+    return out, token
+
+
+def _from_ordered(ys: list, axis_name: str, num_shards: int, axis: int, token):
+    """`from_zigzag` of a list of arrays, its permutes chained from `token`."""
+    even_perm, odd_perm = _perms(num_shards)
+    even_device = _even_device(axis_name)
+    first, second = zip(*(_halves(y, axis) for y in ys))
+    even = [jnp.where(even_device, f, s) for f, s in zip(first, second)]
+    odd = [jnp.where(even_device, s, f) for f, s in zip(first, second)]
+    lo, token = order.ppermute(even, axis_name, [(b, a) for a, b in even_perm], token)
+    hi, token = order.ppermute(odd, axis_name, [(b, a) for a, b in odd_perm], token)
+    return [jnp.concatenate([a, b], axis) for a, b in zip(lo, hi)], token
+
+
+def _ordered(tree: PyTree, forward, backward, axis_name, num_shards, axis) -> PyTree:
+    """`tree` through `forward` (and back through `backward`, its transpose) as one
+    link of the token chain."""
+    leaves, treedef = jax.tree.flatten(tree)
+    there = order.skipping_none(lambda xs, t: forward(xs, axis_name, num_shards, axis, t))
+    back = order.skipping_none(lambda xs, t: backward(xs, axis_name, num_shards, axis, t))
+    return _traded(jax.tree.unflatten(treedef, order.linear(there, back)(leaves)))
+
+
+def to_zigzag(
+    tree: PyTree, axis_name: str, num_shards: int, axis: int = 1, *, ordered: bool = False
+) -> PyTree:
     """This device's contiguous shard -> its zigzag shard, for every leaf (sequence on
-    `axis`). Runs inside `shard_map` over `axis_name`."""
+    `axis`). Runs inside `shard_map` over `axis_name`. `ordered`: on a CPU mesh, as two
+    collectives in the ring's token chain (`ringeqx._order`)."""
+    if ordered:
+        return _ordered(tree, _to_ordered, _from_ordered, axis_name, num_shards, axis)
     even_perm, odd_perm = _perms(num_shards)
     even_device = _even_device(axis_name)
 
@@ -71,8 +113,12 @@ def to_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> P
     return _traded(jax.tree.map(move, tree))
 
 
-def from_zigzag(tree: PyTree, axis_name: str, num_shards: int, axis: int = 1) -> PyTree:
+def from_zigzag(
+    tree: PyTree, axis_name: str, num_shards: int, axis: int = 1, *, ordered: bool = False
+) -> PyTree:
     """Inverse of `to_zigzag`: this device's zigzag shard -> its contiguous shard."""
+    if ordered:
+        return _ordered(tree, _from_ordered, _to_ordered, axis_name, num_shards, axis)
     even_perm, odd_perm = _perms(num_shards)
     even_device = _even_device(axis_name)
 

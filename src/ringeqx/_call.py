@@ -30,7 +30,7 @@ from ._kernels._base import AbstractAttentionKernel, Scores
 from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, check_ids
-from ._mesh import batch_axis, resolve_mesh, to_layout_order, to_original_order
+from ._mesh import batch_axis, on_cpu, resolve_mesh, to_layout_order, to_original_order
 from ._numbers import check_int32
 from ._ring import RingCall, RingSettings, run
 from ._score_mods import AbstractScoreMod, check_sinks
@@ -121,7 +121,7 @@ def resolve_ring(
     batch = batch_axis(mesh, a.q.shape[:-3])
     _check_ulysses(config, mesh, axis_name, batch, a, lay)
     a.mask.check(lay.seq_len)
-    settings = _settings(kernel, axis_name, num_shards, config, a.mask, lay)
+    settings = _settings(kernel, axis_name, num_shards, config, a.mask, lay, on_cpu(mesh))
     scores = Scores(a.mask, a.score_mod, a.scale)
     return RingCall(scores, a.sinks, lay, settings, mesh, batch, original, a.q.shape)
 
@@ -240,18 +240,21 @@ def _check_early_stop(mask: AbstractMask, lay: Layout) -> None:
         )
 
 
-def _settings(kernel, axis_name, num_shards, config, mask, lay) -> RingSettings:
+def _settings(kernel, axis_name, num_shards, config, mask, lay, ordered) -> RingSettings:
     """The static settings of the ring: how many steps it takes, from which start (the
     block rule's window when the layout and mask are concrete, else the bounds';
-    allgather mode: one step over the gathered K/V)."""
+    allgather mode: one step over the gathered K/V). `ordered`: on a CPU mesh (the ring's
+    collectives then carry a token, `ringeqx._order`)."""
     if config.mode == "allgather":
-        return RingSettings(kernel, axis_name, num_shards, 1, config)
+        return RingSettings(kernel, axis_name, num_shards, 1, config, ordered=ordered)
     _check_early_stop(mask, lay)
     if config.balance is not None:
         # The traded shards are not the layout's: the ring runs all its steps.
-        return RingSettings(kernel, axis_name, num_shards, num_shards, config)
+        return RingSettings(kernel, axis_name, num_shards, num_shards, config, ordered=ordered)
     num_ahead, num_steps = ring_window(mask, lay)
-    return RingSettings(kernel, axis_name, num_shards, num_steps, config, num_ahead)
+    return RingSettings(
+        kernel, axis_name, num_shards, num_steps, config, num_ahead, ordered=ordered
+    )
 
 
 def _check_ulysses(config: RingConfig, mesh, axis_name, batch, a: Attention, lay: Layout):

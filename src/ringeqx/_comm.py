@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
+from . import _order as order
 from ._numbers import as_int
 from ._tokens import TokenInfo
 
@@ -409,8 +410,13 @@ class RingPlan:
     an early-stopped one: either way each group of every shard it must meet is met once.
     """
 
-    def __init__(self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps, capacity):
+    def __init__(
+        self, config: RingConfig, axis_name, num_shards, num_ahead, num_steps, capacity, ordered
+    ):
         self.config = config
+        # On a CPU mesh (`ordered`) every collective is tied to the previous one by a
+        # token (`ringeqx._order`), which the methods thread; elsewhere it is None.
+        self.ordered = ordered
         self.axis_name = axis_name
         self.num_shards = num_shards
         self.num_pieces = config.num_pieces(capacity)
@@ -436,21 +442,33 @@ class RingPlan:
             return pieces[0]
         return jax.tree.map(lambda a, *ps: jnp.concatenate(ps, axis=a), axes, *pieces)
 
-    def start(self, tree, axes) -> tuple:
+    def _shift(self, tree, offset: int, token):
+        """`shift`, and on a CPU mesh in the token's chain: `(tree, token)`."""
+        if token is None:
+            return shift(tree, self.axis_name, self.num_shards, offset), None
+        offset %= self.num_shards
+        if offset == 0:
+            return tree, token
+        perm = [(i, (i + offset) % self.num_shards) for i in range(self.num_shards)]
+        return order.ppermute(tree, self.axis_name, perm, token)
+
+    def start(self, tree, axes, token=None) -> tuple[tuple, Array | None]:
         """The device's own shard -> the groups it holds at step 0 (sent as the steps
-        send, records packed)."""
+        send, records packed), and the token."""
         groups = self._split(tree, axes, len(self.directions))
         out = []
         for g, o in zip(groups, self.starts):
             wire, layout = to_wire(g, None)
-            out.append(from_wire(shift(wire, self.axis_name, self.num_shards, -o), layout))
-        return tuple(out)
+            wire, token = self._shift(wire, -o, token)
+            out.append(from_wire(wire, layout))
+        return tuple(out), token
 
-    def send(self, group, index: int, axes, dtype, hold=()) -> tuple[list, tuple, PyTree]:
+    def send(self, group, index: int, axes, dtype, hold=(), token=None):
         """Start the hop of group `index` (direction `self.directions[index]`): `(wire,
-        layouts, hold)`, the arrays it delivers (`num_pieces / len(directions)` permutes per
-        array, floating arrays sent in `dtype`, records packed, see `to_wire`), what
-        `receive` needs to rebuild the group, and `hold` back.
+        layouts, hold, token)`, the arrays it delivers (`num_pieces / len(directions)`
+        permutes per array, floating arrays sent in `dtype`, records packed, see
+        `to_wire`), what `receive` needs to rebuild the group, `hold` back and the token
+        (on a CPU mesh: read from the hop's last permute; else None).
 
         `hold` passes through one optimization barrier with what is sent: the ring step
         passes the kernel's inputs (and what it has computed so far), so that the
@@ -461,18 +479,21 @@ class RingPlan:
         pieces = self._split(group, axes, self.num_pieces // len(self.directions))
         sent, layouts = zip(*(to_wire(piece, dtype) for piece in pieces))
         sent, hold = jax.lax.optimization_barrier((list(sent), hold))
-        wire = [shift(w, self.axis_name, self.num_shards, offset) for w in sent]
-        return wire, layouts, hold
+        if token is None:
+            wire = [shift(w, self.axis_name, self.num_shards, offset) for w in sent]
+        else:
+            wire, token = self._shift(sent, offset, token)
+        return wire, layouts, hold, token
 
     def receive(self, wire: list, layouts: tuple, axes):
         """The group one `send` delivers."""
         return self._join([from_wire(w, layout) for w, layout in zip(wire, layouts)], axes)
 
-    def home(self, groups: tuple, axes):
+    def home(self, groups: tuple, axes, token=None):
         """After the last step, send each group to the device that owns it (float32, one
-        permute per group and array) and join the groups."""
-        back = [
-            shift(g, self.axis_name, self.num_shards, o - d * (self.num_steps - 1))
-            for g, o, d in zip(groups, self.starts, self.directions)
-        ]
-        return self._join(back, axes)
+        permute per group and array) and join the groups; and the token."""
+        back = []
+        for g, o, d in zip(groups, self.starts, self.directions):
+            g, token = self._shift(g, o - d * (self.num_steps - 1), token)
+            back.append(g)
+        return self._join(back, axes), token

@@ -38,6 +38,17 @@ def resolve_mesh(mesh, axis_name: str):
     return mesh
 
 
+def on_cpu(mesh) -> bool:
+    """Whether `mesh`'s devices are CPUs (a mesh that names no platform, an abstract one,
+    runs on JAX's default backend). The ring orders its collectives there, which XLA:CPU
+    does not do for it (`ringeqx._order`)."""
+    abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+    device = abstract.abstract_device
+    if device is None or device.platform is None:
+        return jax.default_backend() == "cpu"
+    return device.platform == "cpu"
+
+
 def batch_axis(mesh, batch_shape: tuple[int, ...]) -> str | None:
     """The mesh axis the batch `batch_shape` is sharded over: `BATCH_AXIS` where the mesh
     has one (and the batch has axes), which must then divide the batch."""

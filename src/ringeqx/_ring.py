@@ -12,6 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
+from . import _order as order
 from ._balance import from_zigzag, to_zigzag
 from ._comm import RingPlan
 from ._kernels._base import Scores
@@ -40,9 +41,12 @@ def _may_attend(mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
 class RingSettings:
     """Hashable, static settings of one ring call (the custom VJP's non-diff argument):
     the kernel, the ring axis and its size, the steps the ring takes and the
-    `RingConfig`."""
+    `RingConfig`, and whether the mesh is a CPU mesh (`ordered`: its collectives then
+    carry a token that puts them in one order on every device, see `ringeqx._order`)."""
 
-    def __init__(self, kernel, axis_name, num_shards, num_steps, config, num_ahead=0):
+    def __init__(
+        self, kernel, axis_name, num_shards, num_steps, config, num_ahead=0, *, ordered=False
+    ):
         self.kernel = kernel
         self.axis_name = axis_name
         self.num_shards = num_shards
@@ -51,7 +55,8 @@ class RingSettings:
         # The ring starts with each device holding the K/V of the shard `num_ahead` ahead
         # of its own (two-sided bounded masks), then moves them +1 per step.
         self.num_ahead = num_ahead
-        self._key = (kernel, axis_name, num_shards, num_steps, config, num_ahead)
+        self.ordered = ordered
+        self._key = (kernel, axis_name, num_shards, num_steps, config, num_ahead, ordered)
 
     def plan(self, capacity: int) -> RingPlan:
         """How K/V travel, for shards of `capacity` tokens (known at trace time)."""
@@ -62,6 +67,7 @@ class RingSettings:
             self.num_ahead,
             self.num_steps,
             capacity,
+            self.ordered,
         )
 
     def __hash__(self):
@@ -102,13 +108,13 @@ def _kv_axes(kv_info):
     return (2, 2, jax.tree.map(lambda _: 1, kv_info))
 
 
-def _checked(st: RingSettings, tree, groups, q, q_info, scores: Scores, *, backward):
-    """`tree` behind the kernel's run-time check of the K/V `groups` a step holds (if it
-    makes one), made on every device of the mesh together and before the step sends
-    anything (`tree` holds all it sends): a check that failed on some devices only, or
-    after others had entered a transfer, would leave devices waiting in a collective (a
-    hang, or XLA:CPU's abort after its 40 s rendezvous timeout), never an error the
-    caller sees."""
+def _checked(st: RingSettings, tree, groups, q, q_info, scores: Scores, token, *, backward):
+    """`(tree, token)`: `tree` behind the kernel's run-time check of the K/V `groups` a
+    step holds (if it makes one), made on every device of the mesh together and before
+    the step sends anything (`tree` holds all it sends): a check that failed on some
+    devices only, or after others had entered a transfer, would leave devices waiting in
+    a collective (a hang, or XLA:CPU's abort after its 40 s rendezvous timeout), never an
+    error the caller sees. On a CPU mesh the `psum` carries the token."""
     kernel = st.kernel
     checks = [
         kernel.runtime_check(q, k, q_info, kv_info, scores, backward=backward)
@@ -116,17 +122,22 @@ def _checked(st: RingSettings, tree, groups, q, q_info, scores: Scores, *, backw
     ]
     checks = [c for c in checks if c is not None]
     if not checks:
-        return tree
+        return tree, token
     flag = functools.reduce(jnp.logical_or, [flag for flag, _ in checks])
     # Outside the step's branches (which are per device), so every device reaches it.
     axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    flag = jax.lax.psum(flag.astype(jnp.int32), axes) > 0
-    return eqx.error_if(tree, flag, checks[0][1])
+    if token is None:
+        flag = jax.lax.psum(flag.astype(jnp.int32), axes) > 0
+    else:
+        flag, token = order.any_device(flag, axes, token)
+    return eqx.error_if(tree, flag, checks[0][1]), token
 
 
 def _ring_forward(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
     """Per-device forward: `num_steps` ring steps; K/V (and their records) travel as the
-    plan says (by default one piece, +1 per step)."""
+    plan says (by default one piece, +1 per step). Returns `(out, lse, token)`: the token
+    of the last collective on a CPU mesh (the backward's chain continues from it), else
+    None."""
     kernel = st.kernel
     plan = st.plan(k.shape[2])
     axes = _kv_axes(kv_info)
@@ -144,8 +155,8 @@ def _ring_forward(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
         return jax.lax.cond(_may_attend(scores.mask, q_info, kv_info), run, skip, None)
 
     def step(carry, _):
-        groups, o, lse = carry
-        groups = _checked(st, groups, groups, q, q_info, scores, backward=False)
+        groups, o, lse, token = carry
+        groups, token = _checked(st, groups, groups, q, q_info, scores, token, backward=False)
         # Group by group (one per direction): the group's hop starts first, and nothing
         # reads what it delivers before the barrier that also holds the group's kernel
         # results, so the kernel is the only work the transfer can hide behind (the
@@ -154,28 +165,32 @@ def _ring_forward(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
         received = ()
         rest = groups
         for i in range(len(groups)):
-            wire, layouts, (rest, o, lse, received) = plan.send(
-                rest[0], i, axes, st.config.compression_dtype, (rest, o, lse, received)
+            wire, layouts, (rest, o, lse, received), token = plan.send(
+                rest[0], i, axes, st.config.compression_dtype, (rest, o, lse, received), token
             )
             new = compute(rest[0])
             new, wire, rest = jax.lax.optimization_barrier((new, wire, rest[1:]))
             o, lse = _merge(o, lse, *new)
             received += (plan.receive(wire, layouts, axes),)
-        return (received, o, lse), None
+        return (received, o, lse, token), None
 
     zero = jnp.zeros_like(q, jnp.float32)
-    groups = plan.start((k, v, kv_info), axes)
-    init = (groups, zero, zero[..., 0] - jnp.inf)
-    (groups, o, lse), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
-    groups = _checked(st, groups, groups, q, q_info, scores, backward=False)
+    # The chain starts after everything the ring reads (and the collectives behind it).
+    token = order.start_token(q, k, v, q_info, kv_info) if st.ordered else None
+    groups, token = plan.start((k, v, kv_info), axes, token)
+    init = (groups, zero, zero[..., 0] - jnp.inf, token)
+    (groups, o, lse, token), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
+    groups, token = _checked(st, groups, groups, q, q_info, scores, token, backward=False)
     for kv in groups:
         o, lse = _merge(o, lse, *compute(kv))
-    return o, lse
+    o, lse = order.after((o, lse), token)
+    return o, lse, token
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
-    return _ring_forward(st, q, k, v, q_info, kv_info, scores)
+    out, lse, _ = _ring_forward(st, q, k, v, q_info, kv_info, scores)
+    return out, lse
 
 
 class _Differentiated(eqx.Module):
@@ -202,8 +217,9 @@ def _ring_fwd(st, q, k, v, q_info, kv_info, scores):
     q, k, v, q_info, kv_info, scores = jax.tree.map(
         lambda p: p.value, (q, k, v, q_info, kv_info, scores)
     )
-    out, lse = _ring_forward(st, q, k, v, q_info, kv_info, scores)
-    return (out, lse), (q, k, v, q_info, kv_info, scores, out, lse, _Differentiated(flags))
+    out, lse, token = _ring_forward(st, q, k, v, q_info, kv_info, scores)
+    res = (q, k, v, q_info, kv_info, scores, out, lse, token, _Differentiated(flags))
+    return (out, lse), res
 
 
 def _zero_mod_grads(score_mod, diff):
@@ -246,8 +262,11 @@ def _instantiate(ct):
 
 
 def _ring_bwd(st: RingSettings, res, cts):
-    q, k, v, q_info, kv_info, scores, out, lse, differentiated = res
+    q, k, v, q_info, kv_info, scores, out, lse, token, differentiated = res
     d_out, d_lse = (_instantiate(ct) for ct in cts)
+    # On a CPU mesh: after the forward's last collective and what made the cotangents
+    # (the layers above, their collectives), which the first K/V hop reads neither of.
+    token = order.join(token, d_out, d_lse)
     plan = st.plan(k.shape[2])
     axes = _kv_axes(kv_info)
     acc_axes = (2, 2)
@@ -262,27 +281,30 @@ def _ring_bwd(st: RingSettings, res, cts):
     grad_dt = st.config.grad_compression_dtype
     grad_dt = None if grad_dt == jnp.float32 else grad_dt
 
-    def hop(groups, accs, pending, local, *, send_kv: bool, send_acc: bool):
+    def hop(groups, accs, pending, local, token, *, send_kv: bool, send_acc: bool):
         """One step on the K/V `groups` held, group by group as in the forward. dK/dV
         travel one step behind their K/V: what this device adds to the accumulator of
         the previous step's block (`accs` received plus its `pending` part) leaves now,
         so that neither transfer waits for this step's kernel and both hide behind it.
-        `local` is what stays on the device: dQ and the modifier's gradients."""
+        `local` is what stays on the device: dQ and the modifier's gradients. On a CPU
+        mesh the K/V hop's collective carries the token on to the dK/dV hop's."""
         out_groups, out_accs, out_pending = (), (), ()
-        groups, accs, pending = _checked(
-            st, (groups, accs, pending), groups, q, q_info, scores, backward=True
+        (groups, accs, pending), token = _checked(
+            st, (groups, accs, pending), groups, q, q_info, scores, token, backward=True
         )
         rest = groups
         for i in range(len(groups)):
             done = (rest, local, out_groups, out_accs, out_pending)
             kv_wire, kv_layouts, acc_wire, acc_layouts = [], (), [], ()
             if send_kv:
-                kv_wire, kv_layouts, done = plan.send(
-                    rest[0], i, axes, st.config.compression_dtype, done
+                kv_wire, kv_layouts, done, token = plan.send(
+                    rest[0], i, axes, st.config.compression_dtype, done, token
                 )
             if send_acc:
                 out = jax.tree.map(jnp.add, accs[i], pending[i])
-                acc_wire, acc_layouts, done = plan.send(out, i, acc_axes, grad_dt, done)
+                acc_wire, acc_layouts, done, token = plan.send(
+                    out, i, acc_axes, grad_dt, done, token
+                )
             rest, local, out_groups, out_accs, out_pending = done
             held = rest[0]
             new = compute(*held)
@@ -299,23 +321,16 @@ def _ring_bwd(st: RingSettings, res, cts):
                 if send_acc
                 else (jnp.zeros_like(dk), jnp.zeros_like(dv)),
             )
-        return out_groups, out_accs, out_pending, local
+        return out_groups, out_accs, out_pending, local, token
 
-    n = st.num_steps
-    groups = plan.start((k, v, kv_info), axes)
+    groups, token = plan.start((k, v, kv_info), axes, token)
     local = (jnp.zeros_like(q, jnp.float32), _zero_mod_grads(scores.score_mod, diff))
-    state = hop(groups, None, None, local, send_kv=n > 1, send_acc=False)
-    if n > 2:
-
-        def step(state, _):
-            return hop(*state, send_kv=True, send_acc=True), None
-
-        state, _ = jax.lax.scan(step, state, None, length=n - 2)
-    if n > 1:
-        state = hop(*state, send_kv=False, send_acc=True)
-    _, accs, pending, (dq, mod) = state
+    state = _backward_steps(st.num_steps, hop, (groups, None, None, local, token))
+    _, accs, pending, (dq, mod), token = state
     accs = jax.tree.map(jnp.add, accs, pending)
-    dk, dv = plan.home(accs, acc_axes)
+    (dk, dv), token = plan.home(accs, acc_axes, token)
+    # dQ and the modifier's gradients do not travel, yet what reads them must wait too.
+    dq, mod = order.after((dq, mod), token)
     return (
         dq.astype(q.dtype),
         dk.astype(k.dtype),
@@ -324,6 +339,21 @@ def _ring_bwd(st: RingSettings, res, cts):
         None,
         _scores_cotangent(scores, diff, mod),
     )
+
+
+def _backward_steps(n: int, hop, state):
+    """The backward's `n` steps from `state`: the first sends K/V only, the last the
+    dK/dV accumulators only, and the scanned ones between both."""
+    state = hop(*state, send_kv=n > 1, send_acc=False)
+    if n > 2:
+
+        def step(state, _):
+            return hop(*state, send_kv=True, send_acc=True), None
+
+        state, _ = jax.lax.scan(step, state, None, length=n - 2)
+    if n > 1:
+        state = hop(*state, send_kv=False, send_acc=True)
+    return state
 
 
 def _scores_cotangent(scores: Scores, diff, mod):
@@ -358,15 +388,27 @@ def _specs(st: RingSettings, batch_axis) -> tuple[PartitionSpec, PartitionSpec]:
     return PartitionSpec(batch_axis, seq), PartitionSpec(batch_axis, st.axis_name)
 
 
-def _attend(st: RingSettings, q, k, v, info, scores: Scores):
+def _attend(st: RingSettings, q, k, v, info, scores: Scores, with_lse: bool):
     """One device's attention for its ring shard `[b, C, h, d]`: the ring, or (allgather
-    mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`."""
+    mode) one kernel call over the gathered K/V. Float32 out and lse `[b, C, h]`;
+    `with_lse`: whether the caller reads lse."""
     if st.config.balance is not None:
-        q, k, v, info = to_zigzag((q, k, v, info), st.axis_name, st.num_shards)
+        q, k, v, info = to_zigzag(
+            (q, k, v, info), st.axis_name, st.num_shards, ordered=st.ordered
+        )
     # Heads-major inside the device: the kernels' matmuls then batch over heads.
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     kv_info = info
-    if st.config.mode == "allgather":
+    if st.config.mode == "allgather" and st.ordered:
+        # The gathers (and the reduce-scatters back) in the token's chain.
+        leaves, treedef = jax.tree.flatten((kh, vh, info))
+        axes = [2, 2] + [1] * (len(leaves) - 2)
+        gather = order.linear(
+            lambda xs, t: order.all_gather(xs, axes, st.axis_name, t),
+            lambda cts, t: order.psum_scatter(cts, axes, st.axis_name, t),
+        )
+        kh, vh, kv_info = jax.tree.unflatten(treedef, gather(leaves))
+    elif st.config.mode == "allgather":
         # Autodiff turns the gather into a reduce-scatter of dK/dV in the backward pass.
         def gather(x, axis):
             return jax.lax.all_gather(x, st.axis_name, axis=axis, tiled=True)
@@ -375,8 +417,12 @@ def _attend(st: RingSettings, q, k, v, info, scores: Scores):
         kv_info = jax.tree.map(lambda x: gather(x, 1), info)
     out, lse = _ring(st, qh, kh, vh, info, kv_info, scores)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    if st.config.balance is not None and st.ordered and not with_lse:
+        # In the CPU chain every trade feeds the next token, so XLA could no longer drop
+        # the trade of an lse nobody reads: it is not made (its value is never used).
+        return from_zigzag(out, st.axis_name, st.num_shards, ordered=True), lse
     if st.config.balance is not None:
-        out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards)
+        out, lse = from_zigzag((out, lse), st.axis_name, st.num_shards, ordered=st.ordered)
     return out, lse
 
 
@@ -385,19 +431,29 @@ def _ulysses(st: RingSettings, q, k, v, info, scores: Scores, cast, with_lse: bo
     to `[b, C, H/U, d]` (contiguous head chunks: q head `h` and its kv head `h // groups`
     land on one device), the ring on those heads, and the inverse all-to-all back."""
     u = st.config.ulysses_axis
-    q, k, v = (jax.lax.all_to_all(x, u, 2, 1, tiled=True) for x in (q, k, v))
+
+    def trade(xs, split, concat):
+        """All-to-all of each array of `xs` (on a CPU mesh in the token's chain)."""
+        if not st.ordered:
+            return [jax.lax.all_to_all(x, u, split, concat, tiled=True) for x in xs]
+        n = len(xs)
+        run = order.linear(
+            lambda xs, t: order.all_to_all(xs, [split] * n, [concat] * n, u, t),
+            lambda cts, t: order.all_to_all(cts, [concat] * n, [split] * n, u, t),
+        )
+        return run(list(xs))
+
+    q, k, v = trade((q, k, v), 2, 1)
     heads = q.shape[2]
     mod = scores.score_mod
     if mod is not None:
         mod = mod.for_heads(jax.lax.axis_index(u) * heads, heads)
         mod.check(heads)
         scores = Scores(scores.mask, mod, scores.scale)
-    out, lse = _attend(st, q, k, v, info, scores)
-
-    def back(x):
-        return jax.lax.all_to_all(x, u, 1, 2, tiled=True)
-
-    return back(cast(out)), (back(lse) if with_lse else lse)
+    out, lse = _attend(st, q, k, v, info, scores, with_lse)
+    if with_lse:
+        return tuple(trade((cast(out), lse), 1, 2))
+    return trade((cast(out),), 1, 2)[0], lse
 
 
 def run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
@@ -428,7 +484,7 @@ def _run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
         if st.config.ulysses_axis is not None:
             out, lse = _ulysses(st, q, k, v, info, scores, cast, sinks is not None)
         else:
-            out, lse = _attend(st, q, k, v, info, scores)
+            out, lse = _attend(st, q, k, v, info, scores, sinks is not None)
             out = cast(out)
         return (out, lse) if sinks is not None else out
 
