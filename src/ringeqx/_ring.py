@@ -181,8 +181,13 @@ def _ring_forward(st: RingSettings, q, k, v, q_info, kv_info, scores: Scores):
     init = (groups, zero, zero[..., 0] - jnp.inf, token)
     (groups, o, lse, token), _ = jax.lax.scan(step, init, None, length=st.num_steps - 1)
     groups, token = _checked(st, groups, groups, q, q_info, scores, token, backward=False)
-    for kv in groups:
-        o, lse = _merge(o, lse, *compute(kv))
+    results = [compute(kv) for kv in groups]
+    if st.num_steps == 1:
+        # Nothing merged yet (one chip, or AllGather): the first block's answer is the
+        # start, not a merge with zeros (a pass over the float32 output).
+        (o, lse), results = results[0], results[1:]
+    for new in results:
+        o, lse = _merge(o, lse, *new)
     o, lse = order.after((o, lse), token)
     return o, lse, token
 
