@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -119,17 +118,25 @@ def test_flag_misuse_is_an_argument_error(argv, match, capsys):
     assert not INTERNAL.search(last), err
 
 
-def _cli(*argv: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _cli(*argv: str, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m ringeqx ARGV` in a child process (`env`: variables to add). The timeout
+    only stops a hung child; nothing here bounds how long a run may take."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return subprocess.run(
         [sys.executable, "-m", "ringeqx", *argv],
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=600,
         **kwargs,
     )
+
+
+# A JAX platform that does not exist: anything that starts a backend fails with JAX's
+# "Unable to initialize backend" (exit status 1), so an exit status of 2 with the
+# argument error shows that the error came before JAX ran anything.
+NO_BACKEND = {"JAX_PLATFORMS": "ringeqx_no_backend"}
 
 
 @pytest.mark.parametrize(
@@ -140,13 +147,19 @@ def _cli(*argv: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProce
         (["report", "--dtype", "foo"], "--dtype: must be one of"),
     ],
 )
-def test_argument_errors_exit_2_quickly_without_a_traceback(argv, match):
-    start = time.monotonic()
-    result = _cli(*argv)
-    assert time.monotonic() - start < 5, result.stderr
+def test_argument_errors_exit_2_before_jax_runs_without_a_traceback(argv, match):
+    result = _cli(*argv, env=NO_BACKEND)
     assert result.returncode == 2, result.stderr
     assert match in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
+
+
+def test_a_command_that_starts_jax_fails_without_a_backend():
+    # The control for the test above: the same environment stops a command that runs.
+    result = _cli("demo", "--seq-len", "16", "--check-len", "8", *SMALL, "--devices", "2",
+                  env=NO_BACKEND)
+    assert result.returncode == 1, result.stderr
+    assert "Unable to initialize backend 'ringeqx_no_backend'" in result.stderr, result.stderr
 
 
 def test_plan_that_does_not_fit_speaks_in_flags(capsys):
@@ -217,9 +230,8 @@ def test_demo_whose_peer_never_comes_says_so_and_times_out(process_id, says):
         "--coordinator-address", address, "--num-processes", "2",
         "--process-id", str(process_id), "--local-devices", "2", "--timeout", "2",
     ]
-    start = time.monotonic()
-    result = _cli(*argv, timeout=60, start_new_session=True)
-    assert time.monotonic() - start < 30
+    result = _cli(*argv, start_new_session=True)
+    # The demo's own --timeout ended the wait (its message), not the harness's.
     assert f"{says} {address} (--timeout 2 s)..." in result.stdout, result.stdout
     assert result.returncode == 1, result.stderr
     assert f"not every process joined at {address} within --timeout 2 s" in result.stderr

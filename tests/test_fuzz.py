@@ -12,15 +12,17 @@ import fuzz
 import jax
 
 
-# 11 groups of 6: about 11 compiles (see fuzz.GROUP).
-CONFIGS = int(os.environ.get("FUZZ_CONFIGS", "66"))
+# 4 groups of 6: 4 compiles (see fuzz.GROUP), new ones on every commit. A compile is
+# most of a group's time, so the slice is counted in groups; longer runs are
+# `nox -s fuzz -- --configs N` (FUZZ_CONFIGS here).
+CONFIGS = int(os.environ.get("FUZZ_CONFIGS", str(4 * fuzz.GROUP)))
 
 
 def test_fuzz_slice():
     lines = []
     res = fuzz.run(fuzz.default_seed(), CONFIGS, shrink_budget=25, log=lines.append)
     print(fuzz.summary(res))
-    assert res.configs == CONFIGS >= 60
+    assert res.configs == CONFIGS >= 4 * fuzz.GROUP
     assert not res.failures, fuzz.summary(res) + "\n" + "\n".join(lines)
 
 

@@ -44,11 +44,12 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run_workers(
-    tmp_path: Path, num_processes: int = 2, timeout: float = 240.0, extra=(), command=None
+    tmp_path: Path, num_processes: int = 2, timeout: float = 600.0, extra=(), command=None
 ) -> list[Path]:
     """Start the workers and wait; the first failure or the timeout kills them all.
 
     `command(i, port, out)` gives process `i`'s argv (default: the worker script).
+    The timeout only stops a hung run (a deadlock); it is no bound on speed.
 
     **Returns:** each process's result file (its log is beside it, `worker{i}.log`).
     **Raises:** `WorkerFailed` (naming the process, its status and stderr tail) if a
@@ -146,13 +147,12 @@ def _recording_popen(monkeypatch) -> list[subprocess.Popen]:
 
 
 def test_a_dead_process_fails_the_run_cleanly(tmp_path, monkeypatch):
-    start = time.monotonic()
     seen = _recording_popen(monkeypatch)
-    with pytest.raises(WorkerFailed, match="process 1 exited with status 3"):
-        run_workers(tmp_path, timeout=120.0, extra=("--die",))
-    # Well before the coordinator's own heartbeat timeout (100 s): the harness, not
-    # JAX, noticed the death; and nothing is left running.
-    assert time.monotonic() - start < 60
+    # Only process 1 had exited when the run was stopped: process 0, which waits on its
+    # dead peer until the coordinator's heartbeat timeout, was still running, so the
+    # harness (not JAX) noticed the death and killed it. Nothing is left running.
+    with pytest.raises(WorkerFailed, match="^process 1 exited with status 3; all workers killed"):
+        run_workers(tmp_path, timeout=600.0, extra=("--die",))
     assert len(seen) == 2
     assert not any(_alive(p.pid) for p in seen)
 
