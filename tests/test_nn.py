@@ -223,12 +223,16 @@ def test_scanned_layers_are_the_unrolled_model():
         assert len(leaves) == len(jax.tree.leaves(stacked)) > 0
         for x, y in zip(jax.tree.leaves(stacked), leaves):
             assert_close(y, x, rtol=1e-5, atol=1e-6)
-    logits, cache = scanned.prefill(tokens[:16], max_new_tokens=4, mesh=m)
-    expected, expected_cache = unrolled.prefill(tokens[:16], max_new_tokens=4, mesh=m)
+    # Prefill and one decode step, compiled (eagerly, op by op, they took most of the
+    # test's time).
+    @eqx.filter_jit
+    def prefill_and_decode(model):
+        logits, cache = model.prefill(tokens[:16], max_new_tokens=4, mesh=m)
+        return logits, model.decode(tokens[16], cache, mesh=m)[0]
+
+    (logits, step), (expected, expected_step) = map(prefill_and_decode, (scanned, unrolled))
     assert_close(logits, expected, rtol=1e-5, atol=1e-6)
-    logits, _ = scanned.decode(tokens[16], cache, mesh=m)
-    expected, _ = unrolled.decode(tokens[16], expected_cache, mesh=m)
-    assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    assert_close(step, expected_step, rtol=1e-5, atol=1e-6)
     # A bool only: beartype (in the tests) or the model itself rejects anything else.
     with pytest.raises((ValueError, TypeError), match="scan_layers"):
         rx.nn.RingTransformerLM(16, 8, 2, 3, scan_layers="yes", **kw)
