@@ -139,6 +139,7 @@ _COMPILERS = {
 # one: "No supported GPU devices found, please specify an abstract GPU device"), and
 # under `jax.set_mesh` the compile writes no `*.ptx` to `xla_dump_to`, which the spill
 # checks read ("no PTX dumped for h100"). `aot/test_gpu_targets.py` passes on it.
+_AOT_OLDEST = "0.10.2"
 _AOT = [
     nox.param("3.11", "0.10.2", "tpu", id="oldest, tpu", tags=["oldest"]),
     nox.param("3.11", "0.10.2", "gpu", id="oldest, gpu", tags=["oldest"]),
@@ -160,6 +161,11 @@ def aot(session: nox.Session, jax: str, target: str) -> None:
     """
     session.install("-e", ".", "pytest", "pytest-xdist", "beartype", *_COMPILERS[target](jax))
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "aot").glob(f"test_{target}_*.py"))
+    if jax != _AOT_OLDEST:
+        # The newest compilers run the kernels and the ring's targets. The planner's and
+        # the overlap checks' figures are the calibrated libtpu's (the oldest end's), so
+        # they run there only.
+        tests = [t for t in tests if t.rsplit("_", 1)[-1] in ("targets.py", "matrix.py")]
     if not tests:
         session.error(f"No aot/test_{target}_*.py files.")
     # Each compile keeps one core busy, so two workers use both of CI's cores; work

@@ -302,7 +302,8 @@ def candidates(shape: Shape, mesh, tiles: list[tuple[int, int]], only: set[str] 
     ]
     for bq, bkv, *compute in tiles:
         suffix = f"[{'x'.join(str(x) for x in (bq, bkv, *compute))}]"
-        make = functools.partial(rx.PallasTpuKernel, bq, bkv, block_kv_compute=(compute or [None])[0])
+        compute = compute[0] if compute else None
+        make = functools.partial(rx.PallasTpuKernel, bq, bkv, block_kv_compute=compute)
 
         def ring(make=make, suffix=suffix):
             return ring_candidate("ringeqx" + suffix, shape, mesh, make(), "kernel" + suffix)
@@ -670,7 +671,9 @@ def _tiles(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(x) for x in t.split("x")) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tiles are BQxBKV[xBKV_COMPUTE],...; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"tiles are BQxBKV[xBKV_COMPUTE],...; got {text!r}"
+        ) from None
 
 
 def _parse(argv):
@@ -678,7 +681,12 @@ def _parse(argv):
     parser.add_argument("--shapes", default=None, help=f"comma-separated: {', '.join(SHAPES)}")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--only", default=None, help="comma-separated candidate names")
-    parser.add_argument("--tiles", type=_tiles, default=[], help="extra ringeqx tiles, 1024x2048 or 1024x1024x512 (block_kv_compute)")
+    parser.add_argument(
+        "--tiles",
+        type=_tiles,
+        default=[],
+        help="extra ringeqx tiles, 1024x2048 or 1024x1024x512 (block_kv_compute)",
+    )
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--memory", action="store_true", help="print temp GiB per candidate")
     parser.add_argument("--check", action="store_true", help="numerics at 8k-d128-causal")
