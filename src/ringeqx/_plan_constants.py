@@ -430,10 +430,12 @@ LM: dict[str, dict[str, dict[str, float]]] = {
 
 # Per family, the largest under-prediction seen in calibration, rounded up with 2%
 # to spare, of each kind (`attention`, `lm`; on accelerators `lm-p1`, an LM step on
-# one chip): the planner keeps this fraction of the budget free.
+# one chip): the planner keeps this fraction of the budget free. CPU attention was 12%:
+# on JAX 0.12, with the CPU ring's ordering token, tests/test_plan.py's
+# attention-causal-p8 compiled 13.3% above its prediction.
 HEADROOM: dict[str, dict[str, float]] = {
     "cpu": {
-        "attention": 0.12,
+        "attention": 0.15,
         "lm": 0.14
     },
     "gpu": {
