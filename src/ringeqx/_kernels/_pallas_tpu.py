@@ -120,19 +120,6 @@ def _widen(x: Array, n: int) -> Array:
     return jnp.tile(x, (1, n // _LANES)) if n % _LANES == 0 else x[:, :n]
 
 
-def _lse_rows(t: common.Tiling) -> bool:
-    """Whether the forward writes lse as rows, `[8, bq]` blocks of a `[b, h, 8, lq]`
-    array (16 times smaller than `[bq, 128]` blocks along lanes): where the query tile
-    is whole vregs wide (a multiple of 128), which the transpose needs."""
-    return t.block_q % _LANES == 0
-
-
-def _lse_block(lanes: Array, shape: tuple[int, ...]) -> Array:
-    """The forward's lse block of `shape` from `[bq, 128]` lanes: as they are, or
-    transposed to rows (`_lse_rows`), once per query tile."""
-    return lanes if shape == lanes.shape else lanes.T[: shape[0]]
-
-
 def _when_runs(rebuild_mask: tiles.MaskReader, run_ref, tile, body: Callable[[bool], None]):
     """Run `body(dense)` where the tile table says tile `tile` runs: `body(False)` with
     the elementwise mask, `body(True)` where every pair attends (splash attention's
@@ -197,7 +184,7 @@ def _forward_kernel(
     def _finish():
         out, lse = tiles.Softmax(m_ref[:, :1], total_ref[:, :1], acc_ref[...]).finish()
         o_ref[...] = out
-        lse_ref[...] = _lse_block(_lanes(lse), lse_ref.shape)
+        lse_ref[...] = _lanes(lse)
 
 
 def _backward_kernel(
@@ -296,7 +283,6 @@ class _Maps(NamedTuple):
     q_rec: Callable
     k_rec: Callable
     head: Callable
-    rows: Callable | None = None
 
 
 def _query_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
@@ -337,9 +323,7 @@ def _key_grid_maps(t: common.Tiling, first: int = 0) -> _Maps:
     def head_map(b, j, s, gi, i, *_):
         return j * groups + gi
 
-    # lse and delta are the call's own rows (`PallasTpuKernel.backward`): not shifted.
-    rows_map = q_index_map(groups, t.num_q, t.num_kv)
-    return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map, rows_map)
+    return _Maps(q_map, k_map, q_rec_map, k_rec_map, head_map)
 
 
 def _dq_out_map(t: common.Tiling) -> Callable:
@@ -362,10 +346,10 @@ def _in_specs(
 ) -> list[Any]:
     """Block specs of the inputs `(Q, K, V[, dO, lse, delta], Q records, K records,
     *mask leaves, *modifier leaves)`; the backward's per-row lse and delta are
-    `[bq, 128]` (`_lanes`), of the call's rows only (`maps.rows`)."""
+    `[bq, 128]` (`_lanes`)."""
     q_side = pl.BlockSpec((None, None, t.block_q, t.head_dim), maps.q)
     kv_side = pl.BlockSpec((None, None, t.block_kv, t.head_dim), maps.kv)
-    rows = pl.BlockSpec((None, None, t.block_q, _LANES), maps.rows)
+    rows = pl.BlockSpec((None, None, t.block_q, _LANES), maps.q)
     grads = [q_side, rows, rows] if backward else []
     return [
         q_side,
@@ -539,22 +523,12 @@ class _Call(NamedTuple):
 
 
 def _forward_call(c: _Call) -> tuple[Array, Array]:
-    """`(out [b, h, lq, d], lse)` of the padded inputs `(Q, K, V, Q records, K
-    records)`, the queries `c.part` covers written; lse is `[b, h, 8, lq]` rows where
-    `_lse_rows`, else `[b, h, lq, 128]` along lanes."""
+    """`(out [b, h, lq, d], lse [b, h, lq, 128])` of the padded inputs `(Q, K, V, Q
+    records, K records)`, the queries `c.part` covers written."""
     t = c.t
     maps = _query_grid_maps(t, c.part.first)
     bq, d = t.block_q, t.head_dim
     rows = (t.batch, t.heads, c.part.length)
-    if _lse_rows(t):
-        first = c.part.first
-        lse_spec = pl.BlockSpec(
-            (None, None, _SUBLANES, bq), lambda b, h, i, j, *_: (b, h, 0, _shifted(i, first))
-        )
-        lse_shape = (t.batch, t.heads, _SUBLANES, c.part.length)
-    else:
-        lse_spec = pl.BlockSpec((None, None, bq, _LANES), maps.q)
-        lse_shape = rows + (_LANES,)
     kernel = functools.partial(
         _forward_kernel,
         **c.ops.kernel_args,
@@ -566,7 +540,10 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
         kernel,
         grid=(t.batch, t.heads, t.num_q, t.num_kv),
         in_specs=_in_specs(t, maps, c.ops, backward=False),
-        out_specs=[pl.BlockSpec((None, None, bq, d), maps.q), lse_spec],
+        out_specs=[
+            pl.BlockSpec((None, None, bq, d), maps.q),
+            pl.BlockSpec((None, None, bq, _LANES), maps.q),
+        ],
         scratch=[
             pltpu.VMEM((bq, _LANES), jnp.float32),
             pltpu.VMEM((bq, _LANES), jnp.float32),
@@ -574,7 +551,7 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
         ],
         out_shape=[
             jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
-            jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+            jax.ShapeDtypeStruct(rows + (_LANES,), jnp.float32),
         ],
     )
 
@@ -846,8 +823,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
                 return _forward_call(c)
 
             out, lse = split.run(table, call)
-            lse = lse[:, :, 0] if _lse_rows(t) else lse[..., 0]
-            return out[:, :, : t.q_len], lse[:, :, : t.q_len]
+            return out[:, :, : t.q_len], lse[:, :, : t.q_len, 0]
 
     def backward(
         self,
@@ -874,17 +850,20 @@ class PallasTpuKernel(AbstractAttentionKernel):
             split = _QuerySplit.of(t, table.shape[-1], _dq_row_tiles(t))
             qp, kp, vp = common.pad_qkv(t, q, k, v)
             dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
-            q_rec, k_rec = _q_records(q_info, t.q_padded), _k_records(kv_info, t.kv_padded)
-
+            inputs = (
+                qp,
+                kp,
+                vp,
+                dop,
+                _lanes(lse_p[..., None]),
+                _lanes(delta_p[..., None]),
+                _q_records(q_info, t.q_padded),
+                _k_records(kv_info, t.kv_padded),
+            )
             dq_parts = []
 
             def call(tc, table_c, part):
-                # dK/dV add to dK and dV so far; dQ is this call's rows. lse and delta
-                # go along lanes for this call's rows alone: 128 times their size, which
-                # for a whole long shard was gigabytes.
-                rows = slice(part.first * t.block_q, part.first * t.block_q + tc.q_padded)
-                lse_c, delta_c = (_lanes(x[:, :, rows, None]) for x in (lse_p, delta_p))
-                inputs = (qp, kp, vp, dop, lse_c, delta_c, q_rec, k_rec)
+                # dK/dV add to dK and dV so far; dQ is this call's rows.
                 plan = tile_plan(jnp.swapaxes(table_c, 1, 2))
                 dk, dv, dq = _backward_call(
                     _Call(tc, "backward", plan, inputs, ops, part, self.interpret,
