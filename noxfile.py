@@ -76,7 +76,10 @@ def tests(session: nox.Session, jax: str) -> None:
     fails (pytest exits 5).
     """
     session.install("-e", ".[test]", f"jax=={jax}", f"jaxlib=={jax}")
-    session.run("python", "-m", "pytest", *session.posargs)
+    # Two workers: compiling, most of the suite's time, keeps one core busy, and CI has
+    # two (each worker sets its own 8 fake devices). `-- -n 0` runs in one process.
+    workers = ["-n", "2", "--dist", "worksteal"]
+    session.run("python", "-m", "pytest", *workers, *session.posargs)
 
 
 @nox.session
