@@ -389,7 +389,7 @@ def _scoped_vmem(
     With `carried`, dK and dV also come in (a dK/dV call after others, `_QuerySplit`):
     two more float32 blocks, double-buffered, counted whole (512 x 1024 tiles at
     head_dim 128 under `Document` took 16.42 MiB, past the default limit). The fused
-    backward's dQ accumulator, `dq_rows` float32 rows of the call (`_dq_rows`), and its
+    backward's dQ accumulator, `dq_rows` float32 rows of the call (`_dq_row_tiles`), and its
     output block are counted whole too. The score tiles are `compute` key columns wide
     (`block_kv_compute`; the whole tile by default)."""
     bq, bk, d = t.block_q, t.block_kv, t.head_dim
@@ -482,22 +482,20 @@ class _Call(NamedTuple):
     block_kv_compute: int
 
     def __call__(
-        self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_specs=(), dq_rows=0
+        self, kernel, grid, in_specs, out_specs, scratch, out_shape, into_spec=None, dq_rows=0
     ):
         """Run `kernel`, the last grid axes of its kind sequential ("arbitrary",
         accumulating into scratch). Its outputs alias `part.into`, which follow the
-        other inputs: each read through its block spec in `into_specs` where one is
-        given (dK and dV carried), else left in HBM and hidden from the kernel, which
-        writes it through its output (the hidden ones come first)."""
+        other inputs: read through `into_spec` blocks where given (dK and dV carried),
+        else left in HBM and hidden from the kernel, which writes them through its
+        outputs. `dq_rows`: the fused backward's dQ accumulator rows (VMEM)."""
         name, sequential = _KERNELS[self.kind]
         into, inputs, ops = self.part.into, self.inputs, self.ops
-        specs = list(into_specs) + [None] * (len(into) - len(into_specs))
-        hidden = len(specs) - len([x for x in specs if x is not None])
-        assert all(x is None for x in specs[:hidden]), "hidden outputs come first"
         start = 2 + len(inputs) + len(ops.leaves)
-        if hidden:
-            kernel = _without_refs(kernel, start, hidden)
-        carried = hidden < len(into)
+        if into and into_spec is None:
+            kernel = _without_refs(kernel, start, len(into))
+        spec = into_spec or pl.BlockSpec(memory_space=pl.ANY)
+        carried = bool(into) and into_spec is not None
         semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
         vmem = _vmem_limit(
             self.t, inputs, self.interpret, carried, dq_rows, self.block_kv_compute
@@ -507,7 +505,7 @@ class _Call(NamedTuple):
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=2,
                 grid=grid,
-                in_specs=in_specs + [x or pl.BlockSpec(memory_space=pl.ANY) for x in specs],
+                in_specs=in_specs + [spec] * len(into),
                 out_specs=out_specs,
                 scratch_shapes=scratch,
             ),
@@ -591,7 +589,7 @@ def _backward_call(c: _Call) -> tuple[Array, Array, Array]:
             jax.ShapeDtypeStruct(kv_shape, jnp.float32),
             jax.ShapeDtypeStruct((t.batch, t.heads, t.q_padded, t.head_dim), jnp.float32),
         ],
-        into_specs=(block, block) if c.part.into else (),
+        into_spec=block,
         dq_rows=dq_rows,
     )
 
