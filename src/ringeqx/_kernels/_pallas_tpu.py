@@ -129,6 +129,17 @@ def _when_runs(rebuild_mask: tiles.MaskReader, run_ref, tile, body: Callable[[bo
     pl.when(rebuild_mask.dense(run_ref, tile))(lambda: body(True))
 
 
+def _when_runs_in_pieces(rebuild_mask, run_ref, tile, k_ref, compute: int, body) -> None:
+    """`_when_runs` of `body(dense, cols)` over the key tile in `k_ref`, `compute` key
+    columns at a time (`_key_chunks`)."""
+    block_kv = k_ref.shape[0]
+
+    def run(dense: bool):
+        _key_chunks(block_kv, compute, lambda cols: body(dense, cols))
+
+    _when_runs(rebuild_mask, run_ref, tile, run)
+
+
 def _forward_kernel(
     run_ref,
     fetch_ref,
@@ -172,13 +183,7 @@ def _forward_kernel(
         total_ref[...] = acc.total
         acc_ref[...] = acc.acc
 
-    block_kv = k_ref.shape[0]
-    _when_runs(
-        rebuild_mask,
-        run_ref,
-        tile,
-        lambda dense: _key_chunks(block_kv, block_kv_compute, lambda c: update(dense, c)),
-    )
+    _when_runs_in_pieces(rebuild_mask, run_ref, tile, k_ref, block_kv_compute, update)
 
     @pl.when(j == num_kv - 1)
     def _finish():
@@ -256,13 +261,7 @@ def _backward_kernel(
         dk_acc[cols, :] += tiles.matmul_tn(ds_low, q)
         dq_acc[rows, :] += tiles.matmul(ds_low, k_finite)
 
-    block_kv = k_ref.shape[0]
-    _when_runs(
-        rebuild_mask,
-        run_ref,
-        tile,
-        lambda dense: _key_chunks(block_kv, block_kv_compute, lambda c: grads(dense, c)),
-    )
+    _when_runs_in_pieces(rebuild_mask, run_ref, tile, k_ref, block_kv_compute, grads)
 
     @pl.when(t == num_kv - 1)
     def _finish_q():
