@@ -176,32 +176,6 @@ def value_and_grads(fn, q, k, v):
     return run(q, k, v, ct)
 
 
-def values_and_grads(cases):
-    """`value_and_grads` of every `(fn, (q, k, v))` case, as one compiled program.
-
-    A program costs a fixed part to compile besides each ring in it, so a test checks its
-    cases in one. The rings run one after another (an optimization barrier threads each
-    case's inputs through the previous results): XLA's CPU runtime runs independent
-    collectives concurrently, and more rings side by side than its thread pool has
-    threads can deadlock on 2 cores (see test_comm.py)."""
-    cts = []
-    for fn, args in cases:
-        shape = jax.eval_shape(fn, *args)
-        ct = jax.random.normal(jax.random.key(123), shape.shape, jnp.float32)
-        cts.append(ct.astype(shape.dtype))
-
-    @jax.jit
-    def run(all_args, cts):
-        results = []
-        for (fn, _), args, ct in zip(cases, all_args, cts):
-            args, ct = jax.lax.optimization_barrier((args, ct, results))[:2]
-            out, vjp = jax.vjp(fn, *args)
-            results.append((out, vjp(ct)))
-        return results
-
-    return jax.block_until_ready(run([args for _, args in cases], cts))
-
-
 def assert_close(a, b, rtol=1e-5, atol=1e-5):
     np.testing.assert_allclose(
         np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol

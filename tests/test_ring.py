@@ -1,22 +1,11 @@
 """Contract tests of `ring_attention`: values and gradients against dense answers."""
 
-import functools
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (
-    KERNELS,
-    MASKS,
-    assert_close,
-    mesh,
-    packed_segments,
-    qkv,
-    value_and_grads,
-    values_and_grads,
-)
+from helpers import KERNELS, MASKS, assert_close, mesh, packed_segments, qkv, value_and_grads
 from jaxtyping import Array, Bool
 
 import ringeqx as rx
@@ -43,79 +32,28 @@ def _check(m, q, k, v, *, rtol=1e-5, atol=1e-5, **kw):
     return out, grads
 
 
-# 43 tokens: not divisible by 2, 3, 4 or 8; documents of 5/11/7 tokens cross shards.
-_Q, _K, _V = qkv(jax.random.key(0), (2,), 43, **SHAPE)
-_SEG = packed_segments(43, [5, 11, 7])
-
-
-@functools.cache
-def _reference_of_every_mask():
-    """The dense answers of test_matches_reference, computed once for all device counts."""
-    def reference(mask):
-        return lambda *a: rx.reference_attention(*a, mask=mask, segment_ids=_SEG)
-
-    return values_and_grads([(reference(mask), (_Q, _K, _V)) for _, mask in MASKS])
-
-
 @pytest.mark.parametrize("devices", [1, 2, 3, 4, 8])
-def test_matches_reference(devices):
-    # Every mask on this ring in one compiled program, values and gradients.
-    m = mesh(devices)
-    rings = [
-        (_ring(m, kernel=KERNELS[0][1], mask=mask, segment_ids=_SEG), (_Q, _K, _V))
-        for _, mask in MASKS
-    ]
-    got = values_and_grads(rings)
-    for (name, _), (out, grads), (ref, ref_grads) in zip(MASKS, got, _reference_of_every_mask()):
-        try:
-            assert out.shape == _Q.shape and out.dtype == _Q.dtype
-            assert_close(out, ref)
-            for g, r in zip(grads, ref_grads):
-                assert_close(g, r)
-        except AssertionError as e:
-            raise AssertionError(f"mask {name!r} on {devices} devices") from e
-
-
-# (causal, kv_heads): GQA 6:1 and 3:1 and plain attention, with and without a mask.
-_DPA_CASES = [(causal, kv_heads) for causal in (False, True) for kv_heads in (1, 2, 6)]
-
-
-def _dpa_inputs(kv_heads):
-    return qkv(jax.random.key(0), (2,), 40, 6, kv_heads, 8)
-
-
-@functools.cache
-def _dot_product_attention_answers():
-    return values_and_grads(
-        [
-            (
-                lambda q, k, v, causal=causal: jax.nn.dot_product_attention(
-                    q, k, v, is_causal=causal
-                ),
-                _dpa_inputs(kv_heads),
-            )
-            for causal, kv_heads in _DPA_CASES
-        ]
-    )
+@pytest.mark.parametrize("name, mask", MASKS, ids=[m[0] for m in MASKS])
+def test_matches_reference(devices, name, mask):
+    # 43 tokens: not divisible by 2, 3, 4 or 8; documents of 5/11/7 tokens cross shards.
+    q, k, v = qkv(jax.random.key(devices), (2,), 43, **SHAPE)
+    seg = packed_segments(43, [5, 11, 7])
+    _check(mesh(devices), q, k, v, mask=mask, segment_ids=seg)
 
 
 @pytest.mark.parametrize("devices", [1, 3, 8])
-def test_matches_dot_product_attention(devices):
-    m = mesh(devices)
-    rings = [
-        (_ring(m, mask=rx.Causal() if causal else rx.Full()), _dpa_inputs(kv_heads))
-        for causal, kv_heads in _DPA_CASES
-    ]
-    got = values_and_grads(rings)
-    for case, (out, grads), (ref, ref_grads) in zip(
-        _DPA_CASES, got, _dot_product_attention_answers()
-    ):
-        try:
-            assert_close(out, ref)
-            for g, r in zip(grads, ref_grads):
-                assert_close(g, r)
-        except AssertionError as e:
-            raise AssertionError(f"(causal, kv_heads) = {case} on {devices} devices") from e
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+def test_matches_dot_product_attention(devices, causal, kv_heads):
+    q, k, v = qkv(jax.random.key(0), (2,), 40, 6, kv_heads, 8)
+    mask = rx.Causal() if causal else rx.Full()
+    out, grads = value_and_grads(_ring(mesh(devices), mask=mask), q, k, v)
+    ref, ref_grads = value_and_grads(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal), q, k, v
+    )
+    assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r)
 
 
 def test_batch_sequence_mesh():
