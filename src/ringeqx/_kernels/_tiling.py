@@ -63,8 +63,8 @@ def matmul(a: Array, b: Array) -> Array:
 
 class Softmax(eqx.Module):
     """Online softmax state of a query tile: running max `m` and running sum `total`
-    (both `[..., bq, 1]`), and the unnormalised output `acc` (`[..., bq, d]`), all
-    float32."""
+    (both `[..., bq, 1]`, or `[bq, 128]` along lanes in the Mosaic kernel: `update`'s
+    `widen`), and the unnormalised output `acc` (`[..., bq, d]`), all float32."""
 
     m: Array
     total: Array
