@@ -9,6 +9,7 @@ rebuilds one.
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -31,18 +32,33 @@ _ENDS = [
 def _pyenv_interpreters() -> None:
     """Let nox find every Python that pyenv has installed, not only the selected one.
 
-    pyenv's `python3.13` shim runs only when 3.13 is among the selected versions
-    (`PYENV_VERSION`, or `pyenv global`); otherwise nox would skip that end (or, on CI,
-    fail). The version selected now stays first, so `python` means what it meant.
+    Two ways a Python can hide from nox: pyenv's `python3.13` shim runs only when 3.13 is
+    among the selected versions (`PYENV_VERSION`, or `pyenv global`), and where pyenv's
+    shims are not on `PATH` at all no `python3.13` is found. So every installed version
+    joins the selection, after the versions selected now (`python` keeps its meaning), and
+    the `bin` of each Python 3 whose `pythonX.Y` is still not found joins the end of `PATH`.
+    CI once had 3.13 installed and still failed `tests(newest)`: "Python interpreter 3.13
+    not found".
     """
-    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+    here = Path(sys.executable).resolve().parents  # .../versions/3.11.7/bin/python3.11
+    roots = [os.environ.get("PYENV_ROOT"), Path.home() / ".pyenv", "/root/.pyenv"]
+    roots += [here[2]] if len(here) > 2 and here[1].name == "versions" else []
+    root = next((Path(r) for r in roots if r and Path(r, "versions").is_dir()), None)
+    if root is None:
         return
-    pyenv = ["pyenv", "version-name"], ["pyenv", "versions", "--bare"]
-    current, installed = (
-        subprocess.run(cmd, capture_output=True, text=True).stdout.split() for cmd in pyenv
-    )
-    if installed:
-        os.environ["PYENV_VERSION"] = ":".join(current + installed)
+    installed = sorted(p.parent.name for p in root.glob("versions/*/bin"))
+    selected = os.environ.get("PYENV_VERSION", "").replace(":", " ").split()
+    if not selected and shutil.which("pyenv") is not None:
+        name = subprocess.run(["pyenv", "version-name"], capture_output=True, text=True)
+        selected = name.stdout.replace(":", " ").split()
+    if selected:
+        rest = [v for v in installed if v not in selected]
+        os.environ["PYENV_VERSION"] = ":".join(selected + rest)
+    minor = {v: "python" + ".".join(v.split(".")[:2]) for v in installed}
+    hidden = [v for v in installed if v.startswith("3.") and shutil.which(minor[v]) is None]
+    bins = [root / "versions" / v / "bin" for v in hidden]
+    bins = [str(b) for b in bins if (b / minor[b.parent.name]).exists()]
+    os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), *bins])
 
 
 _pyenv_interpreters()
