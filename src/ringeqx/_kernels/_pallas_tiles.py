@@ -521,7 +521,7 @@ def logits(
 ) -> tuple[Array, Callable[[Array], Array]]:
     """Scaled, modified float32 logits `[bq, bk]` of one head, and the vjp of the
     modifier (identity without one). `score_mod` is already restricted to this head."""
-    s = jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = _scaled(jax.lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), scale)
     if score_mod is None:
         return s, lambda ds: ds
 
@@ -600,15 +600,20 @@ def tile_grads(
     if mask is None:  # a dense tile: a non-finite K or V row reaches every row as is
         p = jnp.exp(s - lse)
         dp = jax.lax.dot_general(d_out, v, _NT, preferred_element_type=jnp.float32)
-        return p, mod_vjp(p * (dp - delta)) * scale, k
+        return p, _scaled(mod_vjp(p * (dp - delta)), scale), k
     s, k_finite = nan_columns(s, k)
     ok = allowed(mask, qi, ki)
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     dp = jax.lax.dot_general(d_out, v, _NT, preferred_element_type=jnp.float32)
     # A non-finite value row makes its column of dP non-finite: masked pairs drop it.
     dp = jnp.where(ok, dp, 0.0)
-    ds = mod_vjp(p * (dp - delta)) * scale
+    ds = _scaled(mod_vjp(p * (dp - delta)), scale)
     return p, ds, k_finite
+
+
+def _scaled(x: Array, scale: float) -> Array:
+    """`x * scale`, no multiply for 1 (a kernel that feeds pre-scaled queries)."""
+    return x if scale == 1.0 else x * scale
 
 
 def matmul_tn(a: Array, b: Array) -> Array:

@@ -120,6 +120,14 @@ def _widen(x: Array, n: int) -> Array:
     return jnp.tile(x, (1, n // _LANES)) if n % _LANES == 0 else x[:, :n]
 
 
+def _prescaled(q_ref, scale: float) -> Array:
+    """The query tile times the softmax scale, in its own dtype (splash attention's
+    pre-scaled q): the logits then need no multiply over the `[bq, bk]` score tile, a
+    VPU pass per tile, but one over the `[bq, d]` queries. The forward and the backward
+    round the same way, so the backward's recomputed logits are the forward's."""
+    return (q_ref[...].astype(jnp.float32) * scale).astype(q_ref.dtype)
+
+
 def _when_runs(rebuild_mask: tiles.MaskReader, run_ref, tile, body: Callable[[bool], None]):
     """Run `body(dense)` where the tile table says tile `tile` runs: `body(False)` with
     the elementwise mask, `body(True)` where every pair attends (splash attention's
@@ -157,8 +165,8 @@ def _forward_kernel(
     num_kv: int,
     block_kv_compute: int,
 ):
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-5]
-    o_ref, lse_ref, m_ref, total_ref, acc_ref = refs[-5:]
+    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-6]
+    o_ref, lse_ref, m_ref, total_ref, acc_ref, q_scaled_ref = refs[-6:]
     b, h, i, j = (pl.program_id(a) for a in range(4))
     tile = (b * num_q + i) * num_kv + j
     mask, mod = rebuild_mask(mask_refs, run_ref, tile), rebuild_mod(mod_refs)
@@ -168,10 +176,11 @@ def _forward_kernel(
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         total_ref[...] = jnp.zeros(total_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        q_scaled_ref[...] = _prescaled(q_ref, scale)
 
     def update(dense: bool, cols):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
-        s, _ = tiles.logits(q_ref[...], k_ref[cols, :], qi, ki, mod, scale)
+        s, _ = tiles.logits(q_scaled_ref[...], k_ref[cols, :], qi, ki, mod, 1.0)
         # The running max and sum stay `[bq, 128]` along lanes (`_widen`).
         acc = tiles.Softmax(m_ref[...], total_ref[...], acc_ref[...])
         if dense:
@@ -251,10 +260,10 @@ def _backward_kernel(
 
     def grads(dense: bool, cols):
         qi, ki = _q_info(q_rec_ref), _k_info(k_rec_ref, cols)
-        q, k, d_out = q_ref[...], k_ref[cols, :], do_ref[...]
+        q, k, d_out = _prescaled(q_ref, scale), k_ref[cols, :], do_ref[...]
         lse, delta = (_widen(r[...], k.shape[0]) for r in (lse_ref, delta_ref))
         p, ds, k_finite = tiles.tile_grads(
-            q, k, v_ref[cols, :], d_out, lse, delta, qi, ki, None if dense else mask, mod, scale
+            q, k, v_ref[cols, :], d_out, lse, delta, qi, ki, None if dense else mask, mod, 1.0
         )
         ds_low = ds.astype(q.dtype)
         dv_acc[cols, :] += tiles.matmul_tn(p.astype(d_out.dtype), d_out)
@@ -265,7 +274,7 @@ def _backward_kernel(
 
     @pl.when(t == num_kv - 1)
     def _finish_q():
-        dq_ref[...] = dq_acc[rows, :]
+        dq_ref[...] = dq_acc[rows, :] * scale
 
     @pl.when((g == groups - 1) & (i == num_q - 1))
     def _finish_kv():
@@ -545,6 +554,7 @@ def _forward_call(c: _Call) -> tuple[Array, Array]:
             pltpu.VMEM((bq, _LANES), jnp.float32),
             pltpu.VMEM((bq, _LANES), jnp.float32),
             pltpu.VMEM((bq, d), jnp.float32),
+            pltpu.VMEM((bq, d), c.inputs[0].dtype),
         ],
         out_shape=[
             jax.ShapeDtypeStruct(rows + (d,), jnp.float32),
