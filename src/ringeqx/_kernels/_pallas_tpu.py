@@ -722,7 +722,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=512, converter=as_int)
+    block_q: int = eqx.field(static=True, default=1024, converter=as_int)
     block_kv: int = eqx.field(static=True, default=1024, converter=as_int)
     interpret: bool = eqx.field(static=True, default=False)
     block_kv_compute: int | None = eqx.field(static=True, default=None)

@@ -14,14 +14,16 @@ KernelName = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
 DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
 
 # Default tiles `(block_q, block_kv)` per kernel and device. XLA and Mosaic want big
-# tiles (fewer loop steps; a TPU tile of 512 x 1024 float32 scores is 2 MiB of VMEM).
+# tiles (fewer loop steps). Mosaic's are 1024 x 1024 (a float32 score tile of 4 MiB of
+# VMEM): on a v5e chip they beat 512 x 1024 by 3-12% at 8K and 32K tokens, forward and
+# backward (benchmarks/RESULTS.md, issue 43).
 # A Triton program keeps its tile of scores in registers: `PallasGpuKernel()` picks its
 # tiles per dtype, head_dim and kernel from a table tuned so that none spills.
 _BLOCKS = {
     ("xla", "cpu"): (256, 256),
     ("xla", "gpu"): (512, 1024),
     ("xla", "tpu"): (512, 1024),
-    ("pallas_tpu", "tpu"): (512, 1024),
+    ("pallas_tpu", "tpu"): (1024, 1024),
 }
 
 
@@ -158,7 +160,7 @@ def select_kernel(
     without any mesh is it JAX's default backend.
 
     Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
-    the CPU, 512 x 1024 for XLA and Mosaic on accelerators; Triton, whose score tile
+    the CPU, 512 x 1024 for XLA on accelerators, 1024 x 1024 for Mosaic; Triton, whose score tile
     lives in registers, its table of tiles per dtype, head_dim and kernel, chosen so
     that no 16-bit kernel spills); [`ringeqx.tune_block_sizes`][] measures better ones.
     Nothing falls back silently: a device that JAX does not have, or a Pallas kernel
