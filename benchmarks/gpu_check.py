@@ -18,7 +18,7 @@ the Pallas kernels in the interpreter; CI runs that.
 python benchmarks/gpu_check.py           # real sizes on a GPU or TPU, tiny elsewhere
 python benchmarks/gpu_check.py --tiny    # tiny sizes, interpreter, any machine
 python benchmarks/gpu_check.py --skip-checks --tiles 256x512 1024x1024   # other Pallas tiles
-python benchmarks/gpu_check.py --skip-checks --lengths 32768 --only pallas_tpu splash[512]
+python benchmarks/gpu_check.py --skip-checks --lengths 32768 --only pallas_tpu "splash[1024 fused]"
 ```
 
 FLOPs follow the Flash Attention convention: forward `4 * batch * heads * q_len *
@@ -132,11 +132,13 @@ def dpa_fns(causal: bool, implementation: str | None):
     return jax.jit(forward), jax.jit(forward_backward)
 
 
-def splash_fns(causal: bool, heads: int, length: int, head_dim: int, blocks: int | None):
+def splash_fns(causal: bool, heads: int, length: int, head_dim: int, blocks: int, fused: bool):
     """JAX's own Pallas TPU flash attention (splash attention, `jax.experimental`), a
-    peer: heads-major, grouped K/V heads as they are, q pre-scaled (splash does not
-    scale); `blocks`: its tiles (q tiles of `blocks`, K/V tiles of twice that, computed
-    `blocks` at a time), or None for splash's defaults."""
+    peer at its best configurations (issue 43's sweep on a v5e): every tile `blocks`,
+    with the fused backward (`fused`, best where it fits in HBM: 1024) or the separate
+    dQ kernel (512, where the fused one's float32 dQ partials run out of HBM);
+    heads-major, grouped K/V heads as they are, q pre-scaled (splash does not scale).
+    `benchmarks/tpu_vs_splash.py` times tokamax and the older `flash_attention` too."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
         splash_attention_mask as splash_mask,
@@ -144,14 +146,14 @@ def splash_fns(causal: bool, heads: int, length: int, head_dim: int, blocks: int
 
     shape = (length, length)
     base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
-    sizes = None
-    if blocks is not None:
-        b, kv = min(blocks, length), min(2 * blocks, length)
-        sizes = splash.BlockSizes(
-            block_q=b, block_kv=kv, block_kv_compute=b,
-            block_q_dkv=b, block_kv_dkv=kv, block_kv_dkv_compute=b,
-            block_q_dq=b, block_kv_dq=kv,
-        )  # fmt: skip
+    b = min(blocks, length)
+    # The fused backward computes dQ in the dK/dV kernel and takes no dQ tiles.
+    dq = {} if fused else dict(block_q_dq=b, block_kv_dq=b)
+    sizes = splash.BlockSizes(
+        block_q=b, block_kv=b, block_kv_compute=b,
+        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
+        use_fused_bwd_kernel=fused, **dq,
+    )  # fmt: skip
     kernel = splash.make_splash_mha(
         splash_mask.MultiHeadMask([base] * heads), head_shards=1, q_seq_shards=1,
         block_sizes=sizes,
@@ -389,10 +391,10 @@ def run_bench(kernels, cfg, dpa_impl, dpa_label, failures) -> None:
                     )
                 }  # fmt: skip
                 if jax.default_backend() == "tpu":
-                    for blocks in (None, 512):
-                        name = f"splash[{'default tiles' if blocks is None else blocks}]"
-                        make = lambda b=blocks: splash_fns(  # noqa: E731
-                            causal, cfg["heads"], length, head_dim, b
+                    for blocks, fused in ((1024, True), (512, False)):
+                        name = f"splash[{blocks}{' fused' if fused else ''}]"
+                        make = lambda b=blocks, f=fused: splash_fns(  # noqa: E731
+                            causal, cfg["heads"], length, head_dim, b, f
                         )
                         peers[name] = (make, (q, k, v), (q, k, v, d_out))
                 rows.update(peers)
