@@ -1,4 +1,6 @@
-"""`check_mask`: a randomised test that a mask's block rule is conservative."""
+"""`check_mask`: a randomised test of every rule of a mask that the ring and the kernels
+act on (the block rules `may_attend` and `must_attend`, the bounds `max_distance` and
+`max_lookahead`), against the mask's elementwise `allows`."""
 
 from collections.abc import Callable
 
@@ -9,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._layout import Layout
-from ._masks import AbstractMask, block_rule
+from ._masks import AbstractMask, block_rule, dense_rule
 from ._tokens import BlockSummary, TokenInfo
 
 
@@ -43,7 +45,7 @@ def _blocks(key, seq_len: int, block: int, segments, spans, shuffle: bool) -> To
 
 
 def _violations(mask: AbstractMask, info: TokenInfo):
-    """Token pairs the mask allows in block pairs its block rule skips: `[qb, kb, q, k]`."""
+    """Token pairs that break a rule of the mask, `[rules, qb, kb, q, k]` (`_RULES`)."""
     return _violations_between(mask, info, info)
 
 
@@ -76,19 +78,78 @@ def _layout_blocks(layout: Layout, block: int) -> list[tuple[Callable, TokenInfo
 
 @eqx.filter_jit
 def _block_pairs(mask: AbstractMask, q: TokenInfo, k: TokenInfo):
-    """Which `[qb, kb]` block pairs break the block rule, for one row of query blocks."""
+    """Which `[rules, qb, kb]` block pairs break a rule, for one row of query blocks."""
     return jnp.any(_violations_between(mask, q, k), axis=(-2, -1))
 
 
+# The rules the ring and the kernels act on, in the order `check_mask` reports them; each
+# gives the message's claim and what a wrong rule does.
+_RULES = ("may_attend", "must_attend", "max_distance", "max_lookahead")
+
+
 def _violations_between(mask: AbstractMask, q: TokenInfo, k: TokenInfo):
-    """As `_violations`, for query blocks `q` against key blocks `k`."""
+    """As `_violations`, for query blocks `q` against key blocks `k`: pairs the mask
+    allows in block pairs its block rule skips; pairs it refuses in block pairs its
+    dense rule runs unmasked (every token of both valid); allowed pairs further back than
+    `max_distance()` or further ahead than `max_lookahead()`."""
     qi = jax.tree.map(lambda x: x[:, None, :, None], q)
     ki = jax.tree.map(lambda x: x[None, :, None, :], k)
-    allowed = mask.allows(qi, ki) & qi.valid & ki.valid
+    both = qi.valid & ki.valid
+    allows = mask.allows(qi, ki)
+    allowed = allows & both
     qs = jax.tree.map(lambda x: x[:, None], BlockSummary.of(q, axis=-1))
     ks = jax.tree.map(lambda x: x[None, :], BlockSummary.of(k, axis=-1))
-    may = jnp.broadcast_to(block_rule(mask, qs, ks), allowed.shape[:2])
-    return allowed & ~may[..., None, None]
+    blocks = allowed.shape[:2]
+    may = jnp.broadcast_to(block_rule(mask, qs, ks), blocks)
+    q_all = jnp.all(q.valid, axis=-1)[:, None]
+    k_all = jnp.all(k.valid, axis=-1)[None, :]
+    dense = jnp.broadcast_to(dense_rule(mask, qs, ks, q_all, k_all), blocks)
+    gap = qi.positions - ki.positions
+    behind, ahead = mask.max_distance(), mask.max_lookahead()
+    none = jnp.zeros_like(allowed)
+    return jnp.stack(
+        [
+            allowed & ~may[..., None, None],
+            both & ~allows & dense[..., None, None],
+            none if behind is None else allowed & (gap > behind),
+            none if ahead is None else allowed & (-gap > ahead),
+        ]
+    )
+
+
+def _broken(mask: AbstractMask, rule: int, where: str, q_pos: int, k_pos: int) -> str:
+    """The message for a pair of positions that breaks `_RULES[rule]`; `where` names the
+    two blocks."""
+    name = type(mask).__name__
+    pair = f"query position {q_pos} attend key position {k_pos}"
+    match _RULES[rule]:
+        case "may_attend":
+            return (
+                f"{name}.may_attend is not conservative{where}: it says False for the two "
+                f"blocks, but `allows` lets {pair}. may_attend must be True whenever any "
+                "pair of the two blocks may attend; ring_attention would drop these pairs."
+            )
+        case "must_attend":
+            return (
+                f"{name}.must_attend is too permissive{where}: it says True for the two "
+                f"blocks (every pair attends), but `allows` refuses {pair}. must_attend "
+                "may be True only when every pair of the two blocks attends; the kernels "
+                "run such tiles without the mask and would let these pairs attend."
+            )
+        case "max_distance":
+            return (
+                f"{name}.max_distance() is {mask.max_distance()}, but `allows` lets "
+                f"{pair} ({q_pos - k_pos} back){where}. It must bound every attending "
+                "pair, or return None; ring_attention would skip the steps holding such "
+                "keys."
+            )
+        case _:
+            return (
+                f"{name}.max_lookahead() is {mask.max_lookahead()}, but `allows` lets "
+                f"{pair} ({k_pos - q_pos} ahead){where}. It must bound every attending "
+                "pair, or return None; ring_attention would skip the steps holding such "
+                "keys."
+            )
 
 
 def _check_on_layout(mask: AbstractMask, layout: Layout, block: int) -> None:
@@ -98,21 +159,16 @@ def _check_on_layout(mask: AbstractMask, layout: Layout, block: int) -> None:
     for name, info in _layout_blocks(layout, block):
         for qb in range(info.positions.shape[0]):
             q = jax.tree.map(lambda x: x[qb : qb + 1], info)
-            bad = np.asarray(_block_pairs(mask, q, info))[0]
+            bad = np.asarray(_block_pairs(mask, q, info))[:, 0]
             if not bad.any():
                 continue
-            kb = int(np.argmax(bad))
+            rule, kb = (int(i) for i in np.argwhere(bad)[0])
             k = jax.tree.map(lambda x: x[kb : kb + 1], info)
-            pairs = np.asarray(_violations_between(mask, q, k))[0, 0]
+            pairs = np.asarray(_violations_between(mask, q, k))[rule, 0, 0]
             qt, kt = (int(i) for i in np.argwhere(pairs)[0])
-            raise ValueError(
-                f"{type(mask).__name__}.may_attend is not conservative on this layout: it "
-                f"says False for the queries of {name(qb)} and the keys of {name(kb)}, "
-                f"but `allows` lets query position {int(info.positions[qb, qt])} attend "
-                f"key position {int(info.positions[kb, kt])}. may_attend must be True "
-                "whenever any pair of the two blocks may attend; ring_attention would "
-                "drop these pairs."
-            )
+            where = f" on this layout, for the queries of {name(qb)} and the keys of {name(kb)}"
+            positions = np.asarray(info.positions)
+            raise ValueError(_broken(mask, rule, where, positions[qb, qt], positions[kb, kt]))
 
 
 def _check_layout_arg(layout, seq_len: int, segment_ids, span_ids) -> None:
@@ -138,14 +194,18 @@ def check_mask(
     span_ids: Int[Array, " seq"] | None = None,
     layout: Layout | None = None,
 ) -> None:
-    """Check that a mask's block rule is conservative, on random layouts.
+    """Check every rule of a mask that the ring and the kernels act on, on random layouts.
 
     Every kernel and the ring skip a block of keys when `may_attend` says no pair of
     the two blocks attends; a block rule that says False where `allows` has a True
-    element silently drops those pairs from the softmax. `check_mask` cuts the
+    element silently drops those pairs from the softmax. The kernels run a pair of
+    tiles without the elementwise mask where `must_attend` says every pair attends; one
+    that says True where `allows` has a False element lets those pairs attend. The ring
+    skips the steps beyond `max_distance()` and `max_lookahead()`. `check_mask` cuts the
     sequence into blocks of `block` tokens, in order and in random token orders (as
     sharding strategies do), with random documents and spans (or the given ids), and
-    raises when any block pair breaks the rule. Run it in the tests of your own masks.
+    raises when any block pair or token pair breaks one of these rules. Run it in the
+    tests of your own masks.
 
     **Arguments:**
 
@@ -162,8 +222,8 @@ def check_mask(
         the kernel's tile size to mirror it exactly). Deterministic; `samples`, `key`
         and the ids are not used (the layout carries its own ids).
 
-    **Raises:** `ValueError` naming the mask and a counterexample: the block pair, and a
-    query and key position the mask allows.
+    **Raises:** `ValueError` naming the mask, the rule and a counterexample: the block
+    pair, and a query and key position the rule gets wrong.
 
     **Example:**
 
@@ -188,12 +248,10 @@ def check_mask(
         info = _blocks(k_order, seq_len, block, segments, spans, shuffle=sample > 0)
         bad = np.asarray(_violations(mask, info))
         if bad.any():
-            qb, kb, qt, kt = (int(i) for i in np.argwhere(bad)[0])
+            rule, qb, kb, qt, kt = (int(i) for i in np.argwhere(bad)[0])
             positions = np.asarray(info.positions)
-            raise ValueError(
-                f"{type(mask).__name__}.may_attend is not conservative: it says False "
-                f"for query block {qb} and key block {kb} (sample {sample}, blocks of "
-                f"{block} tokens), but `allows` lets query position {positions[qb, qt]} "
-                f"attend key position {positions[kb, kt]}. may_attend must be True "
-                "whenever any pair of the two blocks may attend."
+            where = (
+                f", for query block {qb} and key block {kb} (sample {sample}, blocks of "
+                f"{block} tokens)"
             )
+            raise ValueError(_broken(mask, rule, where, positions[qb, qt], positions[kb, kt]))
