@@ -25,7 +25,7 @@ from .._kvcache import (
 from .._layout import Layout, contiguous_layout
 from .._masks import check_ids
 from .._mesh import keep_on_ring
-from .._numbers import check_size
+from .._numbers import check_bool, check_size
 from .._plan import Plan
 from .._tokens import TokenInfo
 from ._attention import RingAttention
@@ -50,6 +50,11 @@ class TransformerBlock(eqx.Module):
     mlp_out: eqx.nn.Linear
 
     def __init__(self, attention: RingAttention, hidden: int, *, key: PRNGKeyArray):
+        if not isinstance(attention, RingAttention):
+            raise TypeError(
+                "`attention` must be a ringeqx.nn.RingAttention; got "
+                f"{type(attention).__name__}."
+            )
         dim = attention.output_proj.out_features
         assert isinstance(dim, int)
         hidden = check_size("hidden", hidden)
@@ -135,6 +140,14 @@ def _rematerialise(run, checkpoint):
 
 def _options(attention: AttentionOptions | None, kwargs: dict | None) -> AttentionOptions:
     """The blocks' attention options, from `attention=` or the deprecated dict."""
+    if attention is not None and not isinstance(attention, AttentionOptions):
+        raise TypeError(
+            "`attention` must be a ringeqx.nn.AttentionOptions or None; got "
+            f"{type(attention).__name__}. Pass `attention=ringeqx.nn.AttentionOptions(...)`"
+            " (for a dict of options, `AttentionOptions(**options)`)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"`attention_kwargs` must be a dict or None; got {type(kwargs).__name__}.")
     if kwargs is None:
         return AttentionOptions() if attention is None else attention
     if attention is not None:
@@ -378,8 +391,17 @@ class RingTransformerLM(eqx.Module):
         vocab_size, dim = check_size("vocab_size", vocab_size), check_size("dim", dim)
         num_layers = check_size("num_layers", num_layers)
         hidden = 4 * dim if hidden is None else check_size("hidden", hidden)
-        if scan_layers not in (False, True):
-            raise ValueError(f"`scan_layers` must be a bool; got {scan_layers!r}.")
+        scan_layers = check_bool("scan_layers", scan_layers)
+        # A bool or a name: `1` equals True but `match` tells them apart (a "setting"
+        # refused only when the model is first called).
+        if isinstance(checkpoint, np.bool_):
+            checkpoint = bool(checkpoint)
+        named = isinstance(checkpoint, str) and checkpoint in ("none", "attention", "block")
+        if not (isinstance(checkpoint, bool) or named):
+            raise ValueError(
+                "`checkpoint` must be a bool or one of 'none', 'attention', 'block'; "
+                f"got {checkpoint!r}."
+            )
         keys = jax.random.split(key, 2 * num_layers + 2)
         attention = _options(attention, attention_kwargs)
         self.embedding = eqx.nn.Embedding(vocab_size, dim, key=keys[0])
@@ -394,14 +416,9 @@ class RingTransformerLM(eqx.Module):
             self.blocks = eqx.filter_vmap(block)(k1, k2)
         else:
             self.blocks = tuple(block(a, b) for a, b in zip(k1, k2))
-        self.scan_layers = bool(scan_layers)
+        self.scan_layers = scan_layers
         self.final_norm = eqx.nn.RMSNorm(dim)
         self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=keys[-1])
-        if checkpoint not in (False, True, "none", "attention", "block"):
-            raise ValueError(
-                "`checkpoint` must be a bool or one of 'none', 'attention', 'block'; "
-                f"got {checkpoint!r}."
-            )
         self.checkpoint = checkpoint
 
     def __call__(
