@@ -323,3 +323,32 @@ def test_model_options_that_are_not_what_they_say_are_refused():
     assert attn.sinks is not None and type(attn.rope_theta) is float
     assert lm(checkpoint=np.bool_(True)).checkpoint is True
 
+
+def test_save_model_round_trips_every_float_dtype_and_refuses_damaged_files(tmp_path):
+    model = rx.nn.RingTransformerLM(11, 8, 2, 1, hidden=8, key=jax.random.key(0))
+    path = tmp_path / "model.ringeqx"
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        typed = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+        rx.nn.save_model(path, typed)
+        loaded = rx.nn.load_model(path)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(typed), strict=True):
+            assert a.dtype == b.dtype == dtype
+            assert bool(jnp.all(a == b))
+    data = path.read_bytes()
+    body = data[: data.rindex(b"sha256:")]
+    damaged = {
+        "half": data[: len(data) // 2],
+        "magic only": data[:16],
+        "end cut": data[:-10],
+        # One bit of the arrays (the last bytes before the checksum): with no checksum,
+        # a model with another weight.
+        "one bit": body[:-40] + bytes([body[-40] ^ 1]) + data[len(body) - 39 :],
+    }
+    for name, bad in damaged.items():
+        (tmp_path / "bad").write_bytes(bad)
+        with pytest.raises(ValueError, match=r"`path` '.*bad' is damaged or not a ringeqx "
+                           r"model \(a file written by ringeqx.nn.save_model\)"):
+            rx.nn.load_model(tmp_path / "bad")
+    # Files written before the checksum load as they did.
+    (tmp_path / "old").write_bytes(body)
+    assert eqx.tree_equal(rx.nn.load_model(tmp_path / "old"), rx.nn.load_model(path))
