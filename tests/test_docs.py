@@ -23,3 +23,14 @@ def test_every_public_name_is_on_an_api_page(tmp_path):
     # The check sees a page that misses a name.
     (tmp_path / "one.md").write_text("# One\n\n::: ringeqx.ring_attention\n")
     assert check.documented_names(tmp_path) == {"ringeqx.ring_attention"}
+
+
+def test_ring_attention_says_score_modifier_parameters_are_trainable():
+    # tests/test_score_mod_grads.py shows that they get their exact gradient; the
+    # docstring said they were constants (issue 45).
+    import ringeqx as rx
+
+    doc = rx.ring_attention.__doc__
+    score_mod = doc[doc.index("- `score_mod`:") : doc.index("- `span_ids`:")]
+    assert "trainable" in score_mod and "no gradient" not in score_mod
+    assert "constants" not in score_mod

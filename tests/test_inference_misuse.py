@@ -288,3 +288,58 @@ def test_mesh_that_does_not_fit_is_refused():
         with pytest.raises(ValueError, match=r"`cache` must live on the devices .*\(4\); got a "
                            r"cache on devices \[0, 1\]"):
             model.decode(jnp.int32(1), cache)
+
+
+# (6) Cache states that no longer describe a sequence, and token ids outside the
+# vocabulary: refused, not decoded into wrong logits (issue 45).
+
+
+def test_flagged_cache_is_refused_by_the_default_decode():
+    # 4 prompt tokens on 3 devices (2 slots each): position 4 goes to the full device 1
+    # and is dropped (flagged); position 5 finds a free slot on device 2, so only the
+    # flag says that the dropped token is missing from every later step.
+    model = _model()
+    with jax.set_mesh(mesh(3)):
+        _, cache = _prefill(model, PROMPT[:4])
+        _, flagged = model.decode(jnp.int32(1), cache, on_overflow="flag")
+        assert bool(flagged.overflow)
+        assert bool(flagged.next_slot(None)[1])  # room for the next token
+        with pytest.raises(ValueError, match=r"`cache.overflow` is set: an earlier decode "
+                           r"with on_overflow='flag' was not exact"):
+            model.decode(jnp.int32(2), flagged)
+        step = eqx.filter_jit(lambda m, c: m.decode(jnp.int32(2), c))
+        with pytest.raises(eqx.EquinoxRuntimeError, match=r"`cache.overflow` is set"):
+            jax.block_until_ready(step(model, flagged))
+        # Opted in to the flag, decoding goes on and the flag stays set.
+        _, still = model.decode(jnp.int32(2), flagged, on_overflow="flag")
+        assert bool(still.overflow)
+
+
+def test_edited_cache_length_and_tokens_outside_the_vocabulary_are_refused():
+    model = _model()
+    with jax.set_mesh(mesh(2)):
+        _, cache = _prefill(model, max_new_tokens=2)
+        assert int(cache.length) == SEQ
+        # Moved back (a position held twice), below 0, forward (positions skipped).
+        edits = [eqx.tree_at(lambda c: c.length, cache, jnp.int32(n)) for n in (3, -1, 9)]
+        for n, bad in zip((3, -1, 9), edits):
+            with pytest.raises(ValueError, match=rf"`cache.length` must be {SEQ} \(one past "
+                               rf"the position of the cache's last token.*; got {n}\."):
+                model.decode(jnp.int32(1), bad)
+        for token in (VOCAB, -1):
+            with pytest.raises(ValueError, match=rf"`token` must be in \[0, {VOCAB}\) \(the "
+                               rf"model's vocab_size\); got {token}\."):
+                model.decode(jnp.int32(token), cache)
+        with _our_checks(), pytest.raises(ValueError, match=r"`token` must be an integer "
+                                          r"scalar \(a token id\); got float32 of shape \(\)"):
+            model.decode(jnp.float32(1), cache)
+        # Traced, they are checked at run time, or flag the step.
+        step = eqx.filter_jit(lambda m, t, c: m.decode(t, c))
+        with pytest.raises(eqx.EquinoxRuntimeError, match=r"`cache.length` must be one past"):
+            jax.block_until_ready(step(model, jnp.int32(1), edits[0]))
+        with pytest.raises(eqx.EquinoxRuntimeError, match=rf"`token` must be in \[0, {VOCAB}\)"):
+            jax.block_until_ready(step(model, jnp.int32(VOCAB), cache))
+        flag = eqx.filter_jit(lambda m, t, c: m.decode(t, c, on_overflow="flag")[1].overflow)
+        assert bool(flag(model, jnp.int32(1), edits[2]))
+        assert bool(flag(model, jnp.int32(-1), cache))
+        assert not bool(flag(model, jnp.int32(1), cache))

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import optax
 import pytest
@@ -253,3 +254,101 @@ def test_lm_on_a_length_the_ring_does_not_divide():
     out = logits(model, tokens)
     assert out.shape == (2, 10, 16) and bool(jnp.all(jnp.isfinite(out)))
     assert_close(out[0], model(tokens[0], mesh=m), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def _own_checks():
+    """Our own checks, as a user without jaxtyping's hook meets them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.mark.parametrize(
+    "name, value, error, match",
+    [
+        # Truthy strings and ints turned a feature on (issue 45).
+        ("sinks", "False", TypeError, r"`sinks` must be a bool \(True or False\); got str 'False'"),
+        ("use_bias", "no", TypeError, r"`use_bias` must be a bool \(True or False\); got str 'no'"),
+        ("interpret", 1, TypeError, r"`interpret` must be a bool \(True or False\); got int 1"),
+        # A base <= 0 or NaN gave all-NaN outputs; inf, a rotation of one pair only.
+        ("rope_theta", 0.0, ValueError, r"`rope_theta` must be a finite number > 0 \(the base "
+         r"of rotary embeddings\), or None for none; got 0.0"),
+        ("rope_theta", -1.0, ValueError, r"`rope_theta` must be a finite number > 0 .*got -1.0"),
+        ("rope_theta", float("nan"), ValueError, r"`rope_theta` must be .*got nan"),
+        ("rope_theta", float("inf"), ValueError, r"`rope_theta` must be .*got inf"),
+        ("rope_theta", "1e4", ValueError, r"`rope_theta` must be .*got '1e4'"),
+        ("head_dim", 4.0, ValueError, r"`head_dim` must be an integer >= 1; got 4.0"),
+        ("head_dim", True, ValueError, r"`head_dim` must be an integer >= 1; got True"),
+        ("mask", "causal", TypeError, r"`mask` must be a ringeqx.AbstractMask instance .*got "
+         r"str 'causal'"),
+        ("score_mod", "softcap", TypeError, r"`score_mod` must be a ringeqx.AbstractScoreMod "
+         r"instance .*got str 'softcap'"),
+    ],
+)  # fmt: skip
+@pytest.mark.usefixtures("_own_checks")
+def test_options_that_are_not_what_they_say_are_refused(name, value, error, match):
+    key = jax.random.key(0)
+    with pytest.raises(error, match=match):
+        rx.nn.RingAttention(8, 2, kernel=rx.XlaKernel(8, 8), key=key, **{name: value})
+    # Where the options are written, not when a model builds its first block.
+    with pytest.raises(error, match=match):
+        rx.nn.AttentionOptions(**{name: value})
+
+
+@pytest.mark.usefixtures("_own_checks")
+def test_model_options_that_are_not_what_they_say_are_refused():
+    key = jax.random.key(0)
+
+    def lm(**kw):
+        return rx.nn.RingTransformerLM(11, 8, 2, 1, hidden=8, key=key, **kw)
+
+    with pytest.raises(TypeError, match=r"`attention` must be a ringeqx.nn.AttentionOptions or "
+                       r"None; got dict. Pass `attention=ringeqx.nn.AttentionOptions\(...\)`"):
+        lm(attention=dict(sinks=True))
+    with pytest.raises(TypeError, match=r"`attention_kwargs` must be a dict or None; got tuple"):
+        lm(attention_kwargs=(("sinks", True),))
+    # 1 == True, but `match` tells them apart: refused only at the first call before.
+    with pytest.raises(ValueError, match=r"`checkpoint` must be a bool or one of 'none', "
+                       r"'attention', 'block'; got 1\."):
+        lm(checkpoint=1)
+    with pytest.raises(TypeError, match=r"`scan_layers` must be a bool \(True or False\); got "
+                       r"int 1"):
+        lm(scan_layers=1)
+    with pytest.raises(TypeError, match=r"`attention` must be a ringeqx.nn.RingAttention; got "
+                       r"AttentionOptions"):
+        rx.nn.TransformerBlock(rx.nn.AttentionOptions(), 8, key=key)
+    # NumPy bools and numbers are what they say, and stored as Python ones.
+    attn = rx.nn.RingAttention(8, 2, sinks=np.bool_(True), rope_theta=np.float32(500.0), key=key)
+    assert attn.sinks is not None and type(attn.rope_theta) is float
+    assert lm(checkpoint=np.bool_(True)).checkpoint is True
+
+
+def test_save_model_round_trips_every_float_dtype_and_refuses_damaged_files(tmp_path):
+    model = rx.nn.RingTransformerLM(11, 8, 2, 1, hidden=8, key=jax.random.key(0))
+    path = tmp_path / "model.ringeqx"
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        typed = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+        rx.nn.save_model(path, typed)
+        loaded = rx.nn.load_model(path)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(typed), strict=True):
+            assert a.dtype == b.dtype == dtype
+            assert bool(jnp.all(a == b))
+    data = path.read_bytes()
+    body = data[: data.rindex(b"sha256:")]
+    damaged = {
+        "half": data[: len(data) // 2],
+        "magic only": data[:16],
+        "end cut": data[:-10],
+        # One bit of the arrays (the last bytes before the checksum): with no checksum,
+        # a model with another weight.
+        "one bit": body[:-40] + bytes([body[-40] ^ 1]) + data[len(body) - 39 :],
+    }
+    for name, bad in damaged.items():
+        (tmp_path / "bad").write_bytes(bad)
+        with pytest.raises(ValueError, match=r"`path` '.*bad' is damaged or not a ringeqx "
+                           r"model \(a file written by ringeqx.nn.save_model\)"):
+            rx.nn.load_model(tmp_path / "bad")
+    # Files written before the checksum load as they did.
+    (tmp_path / "old").write_bytes(body)
+    assert eqx.tree_equal(rx.nn.load_model(tmp_path / "old"), rx.nn.load_model(path))

@@ -355,7 +355,10 @@ def ring_attention(
         hybrid over a second mesh axis (`ulysses_axis=`); or [`ringeqx.AllGather`][]:
         K/V gathered once instead of passed round the ring.
     - `score_mod`: an optional [`ringeqx.AbstractScoreMod`][] applied to the logits
-        (several: [`ringeqx.Chain`][]). Its parameters are constants here (no gradient).
+        (several: [`ringeqx.Chain`][]). Its floating parameters (ALiBi slopes, a softcap
+        given as an array, a modifier's own fields) are trainable: their gradient is
+        exact, on every kernel; differentiating them adds one pass over each ring step's
+        tiles to the backward, and nothing when they are not differentiated.
     - `span_ids`: `int[*batch, seq]` span ids (-1 = none), for `BidirectionalSpans()`;
         without a layout only, like `segment_ids`.
     - `sinks`: optional attention-sink logits `float[heads]`: each joins every row's

@@ -125,12 +125,25 @@ def error_if_together(tree, pred: Bool[Array, ""], msg: str, mesh):
     `pred` the same everywhere (replicated), each device makes its own check and all
     raise together, as the ring's own run-time checks do.
     """
+    return errors_if_together(tree, [(pred, msg)], mesh)
+
+
+def errors_if_together(tree, checks: list[tuple[Bool[Array, ""], str]], mesh):
+    """As `error_if_together`, for several `(pred, msg)` checks in one host callback:
+    the message of the first failing one is raised."""
+    preds = jnp.stack([jnp.asarray(pred) for pred, _ in checks])
+    msgs = [msg for _, msg in checks]
     replicated = PartitionSpec()
-    tree, pred = place((tree, pred), mesh, replicated)
+    tree, preds = place((tree, preds), mesh, replicated)
+
+    def check(tree, preds):
+        index = jnp.argmax(preds)  # the first True
+        return eqx.branched_error_if(tree, jnp.any(preds), index, msgs)
+
     return jax.shard_map(
-        lambda tree, pred: eqx.error_if(tree, pred, msg),
+        check,
         mesh=mesh,
         in_specs=(replicated, replicated),
         out_specs=replicated,
         check_vma=False,
-    )(tree, pred)
+    )(tree, preds)

@@ -45,10 +45,13 @@ class KVCache(eqx.Module):
     - `segment`: the segment (document) id new tokens belong to: the prompt's last.
     - `overflow`: True once a decode step was not exact: a token found no slot (its key
         and value were dropped), or a layer's mask let an earlier token see it (a mask
-        a cache cannot serve). [`ringeqx.nn.RingTransformerLM.decode`][] raises instead
-        by default; with `on_overflow="flag"` it only sets this flag, for callers that
-        check it once after their loop ([`ringeqx.generate`][] does, and raises), so
-        the compiled step has no host callback.
+        a cache cannot serve), or (found at run time) the step's token id was outside
+        the vocabulary or `length` had been edited. [`ringeqx.nn.RingTransformerLM.decode`][]
+        raises instead by default; with `on_overflow="flag"` it only sets this flag, for
+        callers that check it once after their loop ([`ringeqx.generate`][] does, and
+        raises), so the compiled step has no host callback. A flagged cache stays
+        flagged: no later step is exact, so decoding it with the default
+        `on_overflow="error"` raises.
     - `num_shards`: static, the devices on the ring.
     """
 
@@ -120,6 +123,15 @@ class KVCache(eqx.Module):
         """The records of the next token (scalars): position `length`, the cache's
         segment, no span, valid."""
         return TokenInfo(self.length, self.segment, jnp.full((), -1, jnp.int32), jnp.ones((), bool))
+
+    def length_fits(self) -> Bool[Array, ""]:
+        """Whether `length` is what prefill and decode leave: one past the position of
+        the latest token held, or, once `overflow` is set (dropped tokens hold no slot),
+        at least that. Anything else (a `length` edited back, forward or below 0) would
+        give the next token a position that repeats or skips one."""
+        held = jnp.where(self.records.valid, self.records.positions, -1)
+        after = jnp.max(held, axis=-1, initial=-1) + 1
+        return jnp.where(self.overflow, self.length >= after, self.length == after)
 
     def next_slot(self, max_distance: int | None) -> tuple[Int[Array, ""], Bool[Array, ""]]:
         """The slot of the next token, and whether it may go there (if not, the token

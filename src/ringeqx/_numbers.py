@@ -108,11 +108,20 @@ def as_number(x):
     return as_int(x)
 
 
-def check_positive(name: str, x) -> int | float:
+def check_positive(name: str, x, hint: str = "") -> int | float:
     """`x` when it is a finite real number > 0 (Python or NumPy, not a bool); else a
-    ValueError that names `name`."""
+    ValueError that names `name` (and says `hint`, such as what else may be passed)."""
     x = as_number(x)
     real = isinstance(x, (int, float)) and not isinstance(x, bool)
     if not (real and math.isfinite(x) and x > 0):
-        raise ValueError(f"`{name}` must be a finite number > 0; got {shown(x)}.")
+        raise ValueError(f"`{name}` must be a finite number > 0{hint}; got {shown(x)}.")
     return x
+
+
+def check_bool(name: str, x) -> bool:
+    """`x` as a Python bool when it is one (or a NumPy bool); else a TypeError that names
+    `name`. Truthiness is not enough: `"False"` and `"no"` are true, `0` and `1` may be
+    a size given to the wrong argument."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool (True or False); got {type(x).__name__} {x!r}.")
+    return bool(x)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._call import ring_attention
+from .._checks import check_mask_arg
 from .._comm import AllGather, RingConfig, as_ring_config
 from .._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
@@ -15,7 +16,7 @@ from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout import Layout
 from .._masks import AbstractMask, Causal
 from .._mesh import resolve_mesh
-from .._numbers import check_size
+from .._numbers import check_bool, check_positive, check_size
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
 from ._rope import apply_rope
@@ -31,6 +32,35 @@ def _check_x(x, dim) -> None:
             else ""
         )
         raise ValueError(f"`x` must have shape [seq, dim={dim}]; got shape {shape}.{hint}")
+
+
+def check_options(
+    *, head_dim, mask, score_mod, sinks, rope_theta, interpret, use_bias
+) -> dict:
+    """The options of a `RingAttention` that its annotations alone do not guard (a
+    user without jaxtyping's hook passes anything), checked and made plain Python: the
+    layer's and `AttentionOptions`' one definition. Kernel, device and config are
+    checked where they are resolved (`select_kernel`, `as_ring_config`)."""
+    if head_dim is not None:
+        head_dim = check_size("head_dim", head_dim)
+    check_mask_arg(mask)
+    if score_mod is not None and not isinstance(score_mod, AbstractScoreMod):
+        raise TypeError(
+            "`score_mod` must be a ringeqx.AbstractScoreMod instance such as "
+            f"`ringeqx.Softcap(30.0)`, or None; got {type(score_mod).__name__} {score_mod!r}."
+        )
+    if rope_theta is not None:
+        hint = " (the base of rotary embeddings), or None for none"
+        rope_theta = float(check_positive("rope_theta", rope_theta, hint))
+    return dict(
+        head_dim=head_dim,
+        mask=mask,
+        score_mod=score_mod,
+        sinks=check_bool("sinks", sinks),
+        rope_theta=rope_theta,
+        interpret=check_bool("interpret", interpret),
+        use_bias=check_bool("use_bias", use_bias),
+    )
 
 
 class RingAttention(eqx.Module):
@@ -55,7 +85,7 @@ class RingAttention(eqx.Module):
     - `score_mod`: an optional score modifier.
     - `sinks`: whether each head has a learned attention-sink logit (initialised to 0)
         that joins every row's softmax denominator.
-    - `rope_theta`: base of rotary embeddings, or None for none.
+    - `rope_theta`: base of rotary embeddings (a finite number > 0), or None for none.
     - `kernel`, `device_type`, `interpret`: the per-device kernel (see
         [`ringeqx.select_kernel`][]). A name with `device_type="auto"` (the default
         `"auto"` included) is kept as a name and resolved at each call from the mesh the
@@ -104,8 +134,17 @@ class RingAttention(eqx.Module):
         dim, num_heads = check_size("dim", dim), check_size("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         num_kv_heads = check_size("num_kv_heads", num_kv_heads)
-        if head_dim is not None:
-            head_dim = check_size("head_dim", head_dim)
+        options = check_options(
+            head_dim=head_dim,
+            mask=mask,
+            score_mod=score_mod,
+            sinks=sinks,
+            rope_theta=rope_theta,
+            interpret=interpret,
+            use_bias=use_bias,
+        )
+        head_dim, sinks, rope_theta = options["head_dim"], options["sinks"], options["rope_theta"]
+        interpret, use_bias = options["interpret"], options["use_bias"]
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 "`num_heads` must be a positive multiple of `num_kv_heads`; got "

@@ -10,7 +10,7 @@ from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
-from ._attention import RingAttention
+from ._attention import RingAttention, check_options
 
 
 class AttentionOptions(eqx.Module):
@@ -38,6 +38,19 @@ class AttentionOptions(eqx.Module):
     config: RingConfig | AllGather | None = None
     axis_name: str = eqx.field(static=True, default="sequence")
     use_bias: bool = eqx.field(static=True, default=False)
+
+    def __check_init__(self):
+        # The layer's own checks, now: a wrong option is named where it was written,
+        # not when a model builds its first block.
+        check_options(
+            head_dim=self.head_dim,
+            mask=self.mask,
+            score_mod=self.score_mod,
+            sinks=self.sinks,
+            rope_theta=self.rope_theta,
+            interpret=self.interpret,
+            use_bias=self.use_bias,
+        )
 
     def build(
         self, dim: int, num_heads: int, num_kv_heads: int | None, *, key: PRNGKeyArray

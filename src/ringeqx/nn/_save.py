@@ -1,6 +1,7 @@
 """Saving a model whole: its arrays and its static configuration (masks, kernels, sizes),
 which `eqx.tree_serialise_leaves` alone does not store."""
 
+import hashlib
 import io
 import os
 import pickle
@@ -11,39 +12,91 @@ import numpy as np
 
 
 _MAGIC = b"ringeqx-model-1\n"
+# After the pickle (which `pickle.load` stops before, so files stay readable by the
+# loaders that predate it): the SHA-256 of everything before, so that damage anywhere,
+# the arrays' bytes included, is an error and not a model with other weights.
+_DIGEST = b"sha256:"
+
+
+def _digest(body: bytes) -> bytes:
+    return _DIGEST + hashlib.sha256(body).hexdigest().encode() + b"\n"
 
 
 def save_model(path: str | os.PathLike, model: eqx.Module) -> None:
     """Save `model` whole: its structure and static configuration (the mask, kernel,
-    sizes, ...) and its arrays.
+    sizes, ...) and its arrays, of any dtype (bfloat16 and float16 included), exactly.
 
     `eqx.tree_serialise_leaves` stores the arrays only: deserialising them into a model
     built with another mask, kernel or configuration silently keeps the template's
     (static fields are not stored). [`ringeqx.nn.load_model`][] needs no template.
 
     The structure is stored with `pickle` (a model's classes must be importable where it
-    is loaded), the arrays with `eqx.tree_serialise_leaves`. Like any pickle, load only
-    files you trust.
+    is loaded), the arrays with `eqx.tree_serialise_leaves`, and a checksum of both
+    after them. Like any pickle, load only files you trust.
     """
     arrays, static = eqx.partition(model, eqx.is_array)
     skeleton = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
     leaves = io.BytesIO()
     eqx.tree_serialise_leaves(leaves, arrays)
+    body = _MAGIC + pickle.dumps((skeleton, static, leaves.getvalue()))
     with open(path, "wb") as f:
-        f.write(_MAGIC)
-        pickle.dump((skeleton, static, leaves.getvalue()), f)
+        f.write(body)
+        f.write(_digest(body))
+
+
+def _leaf(f, like: np.ndarray) -> np.ndarray:
+    """One array of the file, typed like `like`: `np.save` writes the dtypes that NumPy
+    knows only through `ml_dtypes` (bfloat16, the float8s) as raw bytes, `|V2`."""
+    out = np.load(f, allow_pickle=False)
+    if out.dtype != like.dtype and out.dtype.kind == "V" and out.itemsize == like.itemsize:
+        out = out.view(like.dtype)
+    return out
 
 
 def load_model(path: str | os.PathLike) -> eqx.Module:
     """The model [`ringeqx.nn.save_model`][] saved at `path`, as it was (configuration
-    and arrays)."""
+    and arrays, in their dtypes).
+
+    **Raises:** a `ValueError` naming `path` for a file that is not a saved model, or is
+    damaged (truncated, or its bytes changed: the checksum written after the model does
+    not match); an `ImportError` when a class of the model cannot be imported here.
+    """
     with open(path, "rb") as f:
-        if f.read(len(_MAGIC)) != _MAGIC:
-            raise ValueError(
-                f"`path` {str(path)!r} is not a model saved by ringeqx.nn.save_model."
-            )
-        skeleton, static, leaves = pickle.load(f)
+        data = f.read()
+    where = f"`path` {str(path)!r}"
+    if not data.startswith(_MAGIC):
+        raise ValueError(f"{where} is not a model saved by ringeqx.nn.save_model.")
+
+    def damaged(why: str) -> ValueError:
+        return ValueError(
+            f"{where} is damaged or not a ringeqx model (a file written by "
+            f"ringeqx.nn.save_model): {why}."
+        )
+
+    stream = io.BytesIO(data)
+    stream.seek(len(_MAGIC))
+    try:
+        payload = pickle.load(stream)
+    except (ImportError, AttributeError) as e:
+        # A class the model needs is not importable here (or a damaged name).
+        raise ImportError(
+            f"{where}: a class of the saved model cannot be imported here ({e}). Import "
+            "the module that defines it before loading (or, if it is a ringeqx class, "
+            "the file is damaged)."
+        ) from e
+    except Exception as e:  # any other unpickling error is a damaged stream
+        raise damaged(f"its model cannot be read ({type(e).__name__}: {e})") from e
+    end = stream.tell()
+    trailer = data[end:]
+    if trailer and trailer != _digest(data[:end]):
+        raise damaged("its checksum does not match its contents")
+    if not (isinstance(payload, tuple) and len(payload) == 3 and isinstance(payload[2], bytes)):
+        raise damaged(f"it holds a {type(payload).__name__}, not a saved model")
+    skeleton, static, leaves = payload
     like = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), skeleton)
-    arrays = eqx.tree_deserialise_leaves(io.BytesIO(leaves), like)
+    try:
+        arrays = eqx.tree_deserialise_leaves(io.BytesIO(leaves), like, filter_spec=_leaf)
+    except Exception as e:  # a short or garbled array stream
+        raise damaged(f"its arrays cannot be read ({type(e).__name__}: {e})") from e
     arrays = jax.tree.map(jax.numpy.asarray, arrays)
     return eqx.combine(arrays, static)

@@ -6,9 +6,10 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._decode import error_if_together
+from .._decode import errors_if_together
 from .._kvcache import (
     KVCache,
     cache_capacity,
@@ -24,7 +25,7 @@ from .._kvcache import (
 from .._layout import Layout, contiguous_layout
 from .._masks import check_ids
 from .._mesh import keep_on_ring
-from .._numbers import check_size
+from .._numbers import check_bool, check_size
 from .._plan import Plan
 from .._tokens import TokenInfo
 from ._attention import RingAttention
@@ -49,6 +50,11 @@ class TransformerBlock(eqx.Module):
     mlp_out: eqx.nn.Linear
 
     def __init__(self, attention: RingAttention, hidden: int, *, key: PRNGKeyArray):
+        if not isinstance(attention, RingAttention):
+            raise TypeError(
+                "`attention` must be a ringeqx.nn.RingAttention; got "
+                f"{type(attention).__name__}."
+            )
         dim = attention.output_proj.out_features
         assert isinstance(dim, int)
         hidden = check_size("hidden", hidden)
@@ -134,6 +140,14 @@ def _rematerialise(run, checkpoint):
 
 def _options(attention: AttentionOptions | None, kwargs: dict | None) -> AttentionOptions:
     """The blocks' attention options, from `attention=` or the deprecated dict."""
+    if attention is not None and not isinstance(attention, AttentionOptions):
+        raise TypeError(
+            "`attention` must be a ringeqx.nn.AttentionOptions or None; got "
+            f"{type(attention).__name__}. Pass `attention=ringeqx.nn.AttentionOptions(...)`"
+            " (for a dict of options, `AttentionOptions(**options)`)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"`attention_kwargs` must be a dict or None; got {type(kwargs).__name__}.")
     if kwargs is None:
         return AttentionOptions() if attention is None else attention
     if attention is not None:
@@ -242,11 +256,62 @@ def _prompt(
     return tokens, layout
 
 
-def _raise_if_known(cache: KVCache, ok, ahead, sees) -> None:
-    """Outside `jit` the step's conditions are values: say exactly what went wrong."""
-    if isinstance(ok, jax.core.Tracer) or any(isinstance(s, jax.core.Tracer) for s in sees):
+def _known(*trees) -> bool:
+    """Whether every array of `trees` has a value here (outside `jit`)."""
+    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def _check_token(token, vocab_size: int) -> None:
+    """A token id: an integer scalar, and where its value is known, in the vocabulary
+    (an embedding lookup would clamp it onto another token)."""
+    shape, dtype = jnp.shape(token), jnp.result_type(token)
+    if shape != () or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"`token` must be an integer scalar (a token id); got {dtype} of shape {shape}."
+        )
+    if _known(token):
+        t = int(token)
+        if not 0 <= t < vocab_size:
+            raise ValueError(
+                f"`token` must be in [0, {vocab_size}) (the model's vocab_size); got {t}."
+            )
+
+
+_STALE = (
+    "`cache.overflow` is set: an earlier decode with on_overflow='flag' was not exact (it "
+    "dropped a token, or kept one a mask let an earlier token see), so no later step of "
+    "this cache is exact either. Prefill again with a larger `max_new_tokens`, or decode "
+    "with on_overflow='flag' (and check `cache.overflow`) to go on regardless."
+)
+_LENGTH = (
+    "`cache.length` must be one past the position of the cache's last token, as prefill "
+    "and decode leave it; it was edited. Decode the cache that prefill or the previous "
+    "decode returned (to decode from an earlier position, prefill that prompt again)."
+)
+
+
+def _raise_if_known(cache: KVCache, on_overflow: str, ok, ahead, sees) -> None:
+    """Outside `jit` the step's conditions are values: say exactly what went wrong. An
+    edited `length` is refused whatever `on_overflow`; the rest with "error" only."""
+    if not _known(cache.length, cache.records, cache.overflow):
         return
     n = int(cache.length)
+    if not bool(cache.length_fits()):
+        held = np.asarray(cache.records.positions)[np.asarray(cache.records.valid)]
+        after = int(held.max()) + 1 if held.size else 0
+        want = f"at least {after}" if bool(cache.overflow) else f"{after}"
+        raise ValueError(
+            f"`cache.length` must be {want} (one past the position of the cache's last "
+            f"token, as prefill and decode leave it); got {n}. Decode the cache that "
+            "prefill or the previous decode returned (to decode from an earlier position, "
+            "prefill that prompt again)."
+        )
+    if on_overflow != "error":
+        return
+    if bool(cache.overflow):
+        raise ValueError(_STALE)
+    if not _known(ok, sees):
+        return
     if not bool(ok):
         p = cache.num_shards
         raise ValueError(
@@ -326,8 +391,17 @@ class RingTransformerLM(eqx.Module):
         vocab_size, dim = check_size("vocab_size", vocab_size), check_size("dim", dim)
         num_layers = check_size("num_layers", num_layers)
         hidden = 4 * dim if hidden is None else check_size("hidden", hidden)
-        if scan_layers not in (False, True):
-            raise ValueError(f"`scan_layers` must be a bool; got {scan_layers!r}.")
+        scan_layers = check_bool("scan_layers", scan_layers)
+        # A bool or a name: `1` equals True but `match` tells them apart (a "setting"
+        # refused only when the model is first called).
+        if isinstance(checkpoint, np.bool_):
+            checkpoint = bool(checkpoint)
+        named = isinstance(checkpoint, str) and checkpoint in ("none", "attention", "block")
+        if not (isinstance(checkpoint, bool) or named):
+            raise ValueError(
+                "`checkpoint` must be a bool or one of 'none', 'attention', 'block'; "
+                f"got {checkpoint!r}."
+            )
         keys = jax.random.split(key, 2 * num_layers + 2)
         attention = _options(attention, attention_kwargs)
         self.embedding = eqx.nn.Embedding(vocab_size, dim, key=keys[0])
@@ -342,14 +416,9 @@ class RingTransformerLM(eqx.Module):
             self.blocks = eqx.filter_vmap(block)(k1, k2)
         else:
             self.blocks = tuple(block(a, b) for a, b in zip(k1, k2))
-        self.scan_layers = bool(scan_layers)
+        self.scan_layers = scan_layers
         self.final_norm = eqx.nn.RMSNorm(dim)
         self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=keys[-1])
-        if checkpoint not in (False, True, "none", "attention", "block"):
-            raise ValueError(
-                "`checkpoint` must be a bool or one of 'none', 'attention', 'block'; "
-                f"got {checkpoint!r}."
-            )
         self.checkpoint = checkpoint
 
     def __call__(
@@ -481,12 +550,17 @@ class RingTransformerLM(eqx.Module):
             token is dropped (no free slot) or kept (a mask that sees ahead), and
             `cache.overflow` becomes True, for callers who check it once after their
             loop, as [`ringeqx.generate`][] does: the compiled step then has no callback.
+            A flagged cache is never exact again, so `"error"` refuses it.
 
         **Returns:** `(logits, cache)`: logits `[vocab]` and the advanced cache.
 
         **Raises:** a `ValueError` or `TypeError` before anything is traced for a cache
         that does not fit this model and mesh (layers, kv heads, head_dim, dtype, slots,
-        devices) or an unknown `on_overflow`.
+        devices) or an unknown `on_overflow`, and for a `token` that is not an integer
+        scalar. Where their values are known (outside `jit`), also for a `token` outside
+        the vocabulary and a `cache.length` that is not what prefill and decode left (an
+        edited cache), whatever `on_overflow`; under `jit` these are run-time checks
+        (`"error"`) or set `cache.overflow` (`"flag"`).
         """
         layers = self.layers  # with `scan_layers`, each one sliced from the stack
         axis = layers[0].attention.axis_name
@@ -498,6 +572,8 @@ class RingTransformerLM(eqx.Module):
                 raise ValueError(f"`on_overflow` must be 'error' or 'flag'; got {on_overflow!r}.")
         _check_cache(layers, cache, mesh.shape[axis])
         check_devices(cache, mesh)
+        vocab_size = self.embedding.num_embeddings
+        _check_token(token, vocab_size)
         distances = [b.attention.mask.max_distance() for b in layers]
         bound = None if None in distances else max(d for d in distances if d is not None)
         slot, ok = cache.next_slot(bound)
@@ -509,8 +585,9 @@ class RingTransformerLM(eqx.Module):
             if m.max_lookahead() != 0
         ]
         sees = [jnp.any(sees_ahead(m, cache.records, cache.query())) for _, m in ahead]
-        if on_overflow == "error":
-            _raise_if_known(cache, ok, ahead, sees)
+        _raise_if_known(cache, on_overflow, ok, ahead, sees)
+        fits = cache.length_fits()
+        in_vocab = (token >= 0) & (token < vocab_size)
         slot = jnp.where(ok, slot, -1)  # a full cache drops the token and says so
         query, records = cache.query(), replicated(cache.write_records(slot), mesh)
         x = self.embedding(token)
@@ -521,13 +598,16 @@ class RingTransformerLM(eqx.Module):
             values.append(v)
         logits = self.head(self.final_norm(x))
         length = cache.length + 1
-        inexact = ~ok
+        inexact = ~ok | ~fits | ~in_vocab
         for s in sees:
             inexact = inexact | s
         if on_overflow == "error":
             # On the logits and the length (which every later step reads), not on the
-            # sharded cache arrays; on every device together.
+            # sharded cache arrays; on every device together, in one host callback.
             checks = [
+                (cache.overflow, _STALE),
+                (~fits, _LENGTH),
+                (~in_vocab, f"`token` must be in [0, {vocab_size}) (the model's vocab_size)."),
                 (
                     ~ok,
                     "`cache` is full: the new token found no free slot on its device and "
@@ -544,8 +624,7 @@ class RingTransformerLM(eqx.Module):
                 )
                 for (name, _), s in zip(ahead, sees)
             ]
-            for pred, msg in checks:
-                logits, length = error_if_together((logits, length), pred, msg, mesh)
+            logits, length = errors_if_together((logits, length), checks, mesh)
         cache = KVCache(
             tuple(keys),
             tuple(values),
