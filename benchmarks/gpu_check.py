@@ -34,6 +34,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _splash import splash_kernel
 
 import ringeqx as rx
 from ringeqx._timing import median_seconds
@@ -139,25 +140,7 @@ def splash_fns(causal: bool, heads: int, length: int, head_dim: int, blocks: int
     dQ kernel (512, where the fused one's float32 dQ partials run out of HBM);
     heads-major, grouped K/V heads as they are, q pre-scaled (splash does not scale).
     `benchmarks/tpu_vs_splash.py` times tokamax and the older `flash_attention` too."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash,
-        splash_attention_mask as splash_mask,
-    )
-
-    shape = (length, length)
-    base = splash_mask.CausalMask(shape) if causal else splash_mask.FullMask(shape)
-    b = min(blocks, length)
-    # The fused backward computes dQ in the dK/dV kernel and takes no dQ tiles.
-    dq = {} if fused else dict(block_q_dq=b, block_kv_dq=b)
-    sizes = splash.BlockSizes(
-        block_q=b, block_kv=b, block_kv_compute=b,
-        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
-        use_fused_bwd_kernel=fused, **dq,
-    )  # fmt: skip
-    kernel = splash.make_splash_mha(
-        splash_mask.MultiHeadMask([base] * heads), head_shards=1, q_seq_shards=1,
-        block_sizes=sizes,
-    )  # fmt: skip
+    kernel = splash_kernel(causal, length, heads, blocks, fused)
     scale = 1.0 / math.sqrt(head_dim)
 
     def forward(q, k, v):

@@ -69,6 +69,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from _splash import splash_kernel
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import ringeqx as rx
@@ -193,33 +194,8 @@ def kernel_candidate(name, shape: Shape, kernel) -> Candidate:
 
 
 @functools.cache
-def _splash_kernel(causal: bool, length: int, heads: int, tiles: int, fused: bool):
-    """A splash kernel object, built once per shape: its mask tables are host NumPy,
-    O(length^2) for a causal mask (about 11 s at 32K)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash,
-        splash_attention_mask as splash_mask,
-    )
-
-    base = splash_mask.CausalMask((length, length)) if causal else splash_mask.FullMask(
-        (length, length)
-    )
-    b = min(tiles, length)
-    # The fused backward computes dQ in the dK/dV kernel and takes no dQ tiles.
-    dq = {} if fused else dict(block_q_dq=b, block_kv_dq=b)
-    sizes = splash.BlockSizes(
-        block_q=b, block_kv=b, block_kv_compute=b,
-        block_q_dkv=b, block_kv_dkv=b, block_kv_dkv_compute=b,
-        use_fused_bwd_kernel=fused, **dq,
-    )  # fmt: skip
-    return splash.make_splash_mha(
-        splash_mask.MultiHeadMask([base] * heads), head_shards=1, q_seq_shards=1,
-        block_sizes=sizes,
-    )  # fmt: skip
-
-
 def splash_candidate(name, shape: Shape, tiles: int, fused: bool, causal_tables=True):
-    kernel = _splash_kernel(
+    kernel = splash_kernel(
         shape.causal and causal_tables, shape.length, shape.heads, tiles, fused
     )
     scale = 1.0 / math.sqrt(shape.head_dim)
