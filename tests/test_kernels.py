@@ -424,7 +424,7 @@ def test_interpret_selects_pallas_anywhere():
         interpret=True
     )
     assert rx.select_kernel("auto", "tpu", interpret=True) == rx.PallasTpuKernel(
-        block_q=512, block_kv=1024, interpret=True
+        block_q=1024, block_kv=1024, interpret=True
     )
     assert rx.select_kernel("pallas_gpu", interpret=True) == rx.PallasGpuKernel(
         interpret=True

@@ -164,6 +164,22 @@ def _options(attention: AttentionOptions | None, kwargs: dict | None) -> Attenti
     return AttentionOptions(**kwargs)
 
 
+def _decode_mesh(layers, token, cache: KVCache, mesh, on_overflow: str, embedding):
+    """The mesh a decode step runs on, after the checks made before anything is traced:
+    `on_overflow`, the cache against the model and the mesh, and the token."""
+    axis = layers[0].attention.axis_name
+    mesh = inference_mesh(mesh, axis)
+    match on_overflow:
+        case "error" | "flag":
+            pass
+        case _:
+            raise ValueError(f"`on_overflow` must be 'error' or 'flag'; got {on_overflow!r}.")
+    _check_cache(layers, cache, mesh.shape[axis])
+    check_devices(cache, mesh)
+    _check_token(token, embedding.num_embeddings)
+    return mesh
+
+
 def _check_cache(
     layers: "tuple[TransformerBlock, ...]", cache: KVCache, ring_size: int
 ) -> None:
@@ -563,17 +579,8 @@ class RingTransformerLM(eqx.Module):
         (`"error"`) or set `cache.overflow` (`"flag"`).
         """
         layers = self.layers  # with `scan_layers`, each one sliced from the stack
-        axis = layers[0].attention.axis_name
-        mesh = inference_mesh(mesh, axis)
-        match on_overflow:
-            case "error" | "flag":
-                pass
-            case _:
-                raise ValueError(f"`on_overflow` must be 'error' or 'flag'; got {on_overflow!r}.")
-        _check_cache(layers, cache, mesh.shape[axis])
-        check_devices(cache, mesh)
+        mesh = _decode_mesh(layers, token, cache, mesh, on_overflow, self.embedding)
         vocab_size = self.embedding.num_embeddings
-        _check_token(token, vocab_size)
         distances = [b.attention.mask.max_distance() for b in layers]
         bound = None if None in distances else max(d for d in distances if d is not None)
         slot, ok = cache.next_slot(bound)
