@@ -269,17 +269,16 @@ def tokamax_candidate(name, shape: Shape, tiles: int, compute: int) -> Candidate
     return Candidate(name, "peer", "btnh", forward, _loss_grad(forward))
 
 
-def candidates(shape: Shape, mesh, tiles: list[tuple[int, int]], only: set[str] | None):
+def candidates(shape: Shape, mesh, tiles: list[str], only: set[str] | None):
     """`(name, maker)` of every candidate of `shape`; a maker may raise (reported)."""
     auto = rx.select_kernel("auto", mesh=mesh)
     makers = [
         ("ringeqx", lambda: ring_candidate("ringeqx", shape, mesh, "auto", "kernel")),
         ("kernel", lambda: kernel_candidate("kernel", shape, auto)),
     ]
-    for bq, bkv, *compute in tiles:
-        suffix = f"[{'x'.join(str(x) for x in (bq, bkv, *compute))}]"
-        compute = compute[0] if compute else None
-        make = functools.partial(rx.PallasTpuKernel, bq, bkv, block_kv_compute=compute)
+    for text in tiles:
+        suffix = f"[{text}]"
+        make = functools.partial(_tile_kernel, text)
 
         def ring(make=make, suffix=suffix):
             return ring_candidate("ringeqx" + suffix, shape, mesh, make(), "kernel" + suffix)
@@ -641,15 +640,31 @@ def print_summary(shapes: dict) -> None:
                   f"{ring['ms'] / peer:.3f}x | {over} |")  # fmt: skip
 
 
-def _tiles(text: str) -> list[tuple[int, int]]:
+def _tiles(text: str) -> list[str]:
+    """`BQxBKV[xCOMPUTE][/BKVxCOMPUTE]` (the backward's key tiles after the slash), checked."""
     if not text:
         return []
     try:
-        return [tuple(int(x) for x in t.split("x")) for t in text.split(",")]
-    except ValueError:
+        for t in text.split(","):
+            _tile_kernel(t)
+    except (ValueError, TypeError):
         raise argparse.ArgumentTypeError(
-            f"tiles are BQxBKV[xBKV_COMPUTE],...; got {text!r}"
+            f"tiles are BQxBKV[xBKV_COMPUTE][/BKVxBKV_COMPUTE],...; got {text!r}"
         ) from None
+    return text.split(",")
+
+
+def _tile_kernel(text: str) -> "rx.PallasTpuKernel":
+    """The kernel a `--tiles` entry names."""
+    forward, _, backward = text.partition("/")
+    bq, bkv, *compute = (int(x) for x in forward.split("x"))
+    kwargs = {"block_kv_compute": compute[0] if compute else None}
+    if backward:
+        bkv_b, *compute_b = (int(x) for x in backward.split("x"))
+        kwargs.update(
+            backward_block_kv=bkv_b, backward_block_kv_compute=compute_b[0] if compute_b else None
+        )
+    return rx.PallasTpuKernel(bq, bkv, **kwargs)
 
 
 def _parse(argv):

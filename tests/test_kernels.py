@@ -808,9 +808,17 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
 
 def test_tpu_kernel_computes_a_key_tile_in_pieces():
     # `block_kv_compute`: a 256-wide key tile copied whole and computed 128 columns at a
-    # time, forward and fused backward (200 keys: one tile, two pieces, the second
-    # partly padding), every config against XlaKernel.
-    kernel = rx.PallasTpuKernel(block_q=16, block_kv=256, block_kv_compute=128, interpret=True)
+    # time, each piece on its own branch of the tile table, forward and fused backward
+    # (the backward's tiles given apart, 512 shrunk to the 200 keys: one tile, two
+    # pieces, the second partly padding), every config against XlaKernel.
+    kernel = rx.PallasTpuKernel(
+        block_q=16,
+        block_kv=256,
+        block_kv_compute=128,
+        backward_block_kv=512,
+        backward_block_kv_compute=128,
+        interpret=True,
+    )
     cases = _config_cases()
     xla = _cached("configs-xla", lambda: _run(XLA, cases))
     for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
@@ -818,6 +826,30 @@ def test_tpu_kernel_computes_a_key_tile_in_pieces():
     for bad in (100, 384, 0):
         with pytest.raises(ValueError, match="`block_kv_compute` must be None or a positive"):
             rx.PallasTpuKernel(block_kv=256, block_kv_compute=bad)
+        with pytest.raises(ValueError, match="`backward_block_kv_compute` must be None or"):
+            rx.PallasTpuKernel(backward_block_kv=256, backward_block_kv_compute=bad)
+    with pytest.raises(ValueError, match="`backward_block_kv` must be None or a positive"):
+        rx.PallasTpuKernel(backward_block_kv=100)
+    with pytest.raises(ValueError, match="needs `backward_block_kv`"):
+        rx.PallasTpuKernel(backward_block_kv_compute=128)
+
+
+def test_tpu_kernel_pieces_take_their_own_branches():
+    # A wide key tile's pieces are skipped where nobody attends and unmasked where all
+    # do: each piece's branch in the table is the branch the table of tiles as narrow
+    # as the pieces gives (Causal over 1024 tokens: query tiles 256, key tiles 512 in
+    # pieces of 128; a SlidingWindow, whose pieces start and stop inside the tiles).
+    from ringeqx._kernels import _pallas_common as common
+
+    info = _records(2, 1024)
+    q = jnp.zeros((2, 4, 1024, 64), jnp.float32)
+    k = jnp.zeros((2, 2, 1024, 64), jnp.float32)
+    for mask in (rx.Causal(), rx.SlidingWindow(600)):
+        wide, _ = common.tile_mask(common.tiling(q, k, 256, 512), mask, info, info, 128)
+        narrow, _ = common.tile_mask(common.tiling(q, k, 256, 128), mask, info, info)
+        pieces = np.asarray(wide[..., 1:5]).reshape(narrow.shape[:3])
+        np.testing.assert_array_equal(pieces, np.asarray(narrow[..., 0]), str(mask))
+        assert {0, 1, 2} <= set(pieces.ravel().tolist()), str(mask)
 
 
 def test_tpu_kernel_query_tiles_of_whole_vregs(monkeypatch):
@@ -832,8 +864,10 @@ def test_tpu_kernel_query_tiles_of_whole_vregs(monkeypatch):
     info = _records(2, length)
     hq, hk, hv, hdo = (_heads_major(x) for x in (q, k, v, d_out))
     cases = [Case(hq, hk, hv, info, info, rx.Causal() & rx.Document(), None, hdo)]
-    kernel = rx.PallasTpuKernel(block_q=128, block_kv=256, block_kv_compute=128, interpret=True)
+    kernel = rx.PallasTpuKernel(
+        block_q=128, block_kv=256, block_kv_compute=128, backward_block_kv=128, interpret=True
+    )
     xla = _run(XLA, cases)
-    for smem in (1 << 20, 32):
+    for smem in (1 << 20, 80):  # 80 bytes: a row of the forward's table, with its pieces
         monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", smem)
         _check(f"SMEM {smem}", _run(kernel, cases)[0], xla[0], 2e-5, "XlaKernel")

@@ -95,12 +95,16 @@ def operands(
 
 
 def tile_mask(
-    t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo
+    t: Tiling,
+    mask: AbstractMask,
+    q_info: TokenInfo,
+    kv_info: TokenInfo,
+    compute: int | None = None,
 ) -> tuple[Array, TileLocal]:
     """`tiles.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,
-    stride]` (which pairs run, and their per-tile mask operands) and the tile-local
-    mask."""
-    return tiles.tile_mask(*_tile_args(t, mask, q_info, kv_info))
+    stride]` (which pairs run, their per-tile mask operands, and with `compute` the
+    branches of their key chunks) and the tile-local mask."""
+    return tiles.tile_mask(*_tile_args(t, mask, q_info, kv_info), compute)
 
 
 def _tile_args(t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):

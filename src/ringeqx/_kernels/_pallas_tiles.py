@@ -166,6 +166,8 @@ class MaskReader:
         self._shapes = [x.shape for x in values]
         self._per_tile = local.per_tile
         self.stride = stride
+        # Where the pair's chunk branches start (`tile_mask`'s `compute`).
+        self._chunks_at = 1 + sum(1 for tile in local.per_tile if tile)
         # Whole leaves, at least 1-D (Triton and Mosaic load no 0-d refs).
         self.leaves = [
             jnp.atleast_1d(x) for x, tile in zip(values, local.per_tile) if not tile
@@ -182,6 +184,11 @@ class MaskReader:
     def dense(self, table_ref: Any, tile: Any) -> Array:
         """Whether the pair of tiles `tile` runs and every pair of its tokens attends."""
         return table_ref[tile * self.stride] == DENSE
+
+    def chunk(self, table_ref: Any, tile: Any, c: int) -> Array:
+        """The branch (0, `MASKED` or `DENSE`) of key chunk `c` of the pair of tiles
+        `tile`, in a table made with chunks (`tile_mask`'s `compute`)."""
+        return table_ref[tile * self.stride + self._chunks_at + c]
 
     def __call__(self, refs: Sequence[Any], table_ref: Any, tile: Any) -> AbstractMask:
         """The mask for the pair of tiles `tile`, from the whole leaves' `refs`."""
@@ -264,6 +271,7 @@ def tile_mask(
     block_q: int,
     kv_len: int,
     block_kv: int,
+    compute: int | None = None,
 ) -> tuple[Int[Array, "batch q_tiles kv_tiles stride"], TileLocal]:
     """The tile table and the tile-local mask of a kernel call.
 
@@ -275,7 +283,9 @@ def tile_mask(
     records, so they hold for any layout. They are computed here, outside the kernels,
     for every pair at once, so that a block rule may use anything XLA can run
     (`BlockSparse` sums its block map with `cumsum`), and the kernels only read a few
-    integers per tile.
+    integers per tile. With `compute` (key columns a kernel computes at a time, dividing
+    `block_kv`), each pair also holds the branches of its `block_kv // compute` key
+    chunks, after its per-tile operands (`MaskReader.chunk`).
 
     Whether the tile-local form is exact (a tile's positions no further apart than the
     window of the mask a kernel gets per tile) is decided when traced wherever the
@@ -303,6 +313,13 @@ def tile_mask(
                 f"tiles' shape {shape}; got shape {x.shape}."
             )
     entries = [branch, *per_tile]
+    if compute is not None and compute < block_kv:
+        # Each key chunk's own branch (`MaskReader.chunk`): a kernel that copies wide
+        # key tiles and computes them `compute` columns at a time skips the chunks
+        # nobody attends in, and leaves the mask out of those where all do.
+        chunks, _ = _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, compute, False)
+        per = block_kv // compute
+        entries += list(jnp.moveaxis(chunks.reshape(shape + (per,)), -1, 0))
     stride = 1 << (len(entries) - 1).bit_length()
     entries += [jnp.zeros(shape, jnp.int32)] * (stride - len(entries))
     table = jnp.stack(entries, axis=-1)
@@ -348,9 +365,10 @@ def _inexact(branch: Array, local: TileLocal) -> Bool[Array, ""]:
     return jnp.any((branch != 0) & ~jnp.asarray(local.exact))
 
 
-def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
+def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv, refuse=True):
     """The `tile_branch` of every pair of tiles (on the tiles' summaries) and the mask's
-    tile-local form; refused when traced where that form is known to be inexact."""
+    tile-local form; refused when traced where that form is known to be inexact (unless
+    not `refuse`: the branches of a tile's chunks, whose tile is checked)."""
     q_extent, kv_extent = _extent(q_info, block_q), _extent(kv_info, block_kv)
     qs, ks, q_full, k_full = _tile_summaries(
         q_info, kv_info, q_len, block_q, kv_len, block_kv, q_extent, kv_extent
@@ -359,7 +377,7 @@ def _tiles(mask, q_info, kv_info, q_len, block_q, kv_len, block_kv):
     q_full, k_full = (jnp.broadcast_to(x, shape) for x in (q_full, k_full))
     branch = tile_branch(mask, qs, ks, q_full, k_full)
     local = mask.tile_local(qs, ks, block_q, block_kv)
-    if local.exact is False:
+    if local.exact is False and refuse:
         fits = _fitting_tiles(mask, q_info, kv_info, block_q, block_kv)
         raise ValueError(
             f"{type(mask).__name__} cannot run exactly in a Pallas kernel with "
