@@ -16,7 +16,9 @@ def test_block_sparse_compiles_with_mosaic(which, target):
     mesh = rx.target_mesh(*target)
     lowered = lowered_ring_grad(
         mesh, block_sparse_mask(which, SEQ, BLOCK), seq=SEQ, heads=4, kv_heads=4,
-        head_dim=128, kernel=rx.PallasTpuKernel(block_q=256, block_kv=256),
+        head_dim=128, kernel=rx.PallasTpuKernel(
+            block_q=256, block_kv=256, block_kv_compute=None, backward_block_kv=None
+        ),
     )
     # The default layout is one run per shard: no run-time exactness check (a callback).
     assert "callback" not in lowered.as_text()

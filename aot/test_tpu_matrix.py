@@ -40,7 +40,12 @@ COMPILED_MASKS = MASKS
 
 # Block tiles smaller than the default, so that SEQ spans several: 300 tokens is 2.3
 # query and key tiles of 128 (padded, the padding masked).
-BLOCK_KERNEL = rx.PallasTpuKernel(block_q=128, block_kv=128)
+def _same_tiles(block_q: int, block_kv: int) -> rx.PallasTpuKernel:
+    """A Mosaic kernel with these tiles, forward and backward, each computed whole."""
+    return rx.PallasTpuKernel(block_q, block_kv, block_kv_compute=None, backward_block_kv=None)
+
+
+BLOCK_KERNEL = _same_tiles(128, 128)
 SEQ = 300
 # Every dtype x head_dim x GQA ((heads, kv_heads): 4:1 and 1:1) combination.
 SHAPES = [
@@ -128,8 +133,8 @@ def test_kernels_every_mask_modifier_dtype_head_dim_and_gqa(target):
 # for 64 MiB; before it did, none of these compiled.
 LARGE_VMEM = [
     (rx.PallasTpuKernel(), jnp.bfloat16, 256),
-    (rx.PallasTpuKernel(1024, 1024), jnp.bfloat16, 128),
-    (rx.PallasTpuKernel(1024, 2048), jnp.float32, 64),
+    (_same_tiles(1024, 1024), jnp.bfloat16, 128),
+    (_same_tiles(1024, 2048), jnp.float32, 64),
 ]
 
 
@@ -190,7 +195,7 @@ def test_ring_forward_and_grad_every_mask(target):
 def test_a_shard_past_smem_runs_as_several_calls_without_copies(target):
     mesh = _one_chip(target)
     chip = NamedSharding(mesh, P())
-    kernel = rx.PallasTpuKernel(512, 1024)
+    kernel = _same_tiles(512, 1024)
 
     def program(q, k, v):
         with jax.named_scope("long"):

@@ -6,7 +6,8 @@ unless the name says `mha8`), the forward and the forward+backward
 
 - `ringeqx`: `ringeqx.ring_attention(..., kernel="auto")` on a one-chip mesh
   (`jax.set_mesh`), BTNH, as a user calls it; `ringeqx[BQxBKV]` with
-  `PallasTpuKernel(BQ, BKV)` for each of `--tiles`;
+  `PallasTpuKernel(BQ, BKV, ...)` for each of `--tiles` (the forward's tiles, then the
+  backward's after a slash; without one the backward's are the forward's);
 - `kernel`: the same kernel object called bare (`forward`, then `forward` + `backward`, as
   one ring step), heads-major, so that `ringeqx / kernel - 1` is what the ring costs on
   one chip beyond its kernel (layout transposes, merges, custom VJP);
@@ -658,7 +659,7 @@ def _tile_kernel(text: str) -> "rx.PallasTpuKernel":
     """The kernel a `--tiles` entry names."""
     forward, _, backward = text.partition("/")
     bq, bkv, *compute = (int(x) for x in forward.split("x"))
-    kwargs = {"block_kv_compute": compute[0] if compute else None}
+    kwargs = {"block_kv_compute": compute[0] if compute else None, "backward_block_kv": None}
     if backward:
         bkv_b, *compute_b = (int(x) for x in backward.split("x"))
         kwargs.update(

@@ -287,7 +287,13 @@ def build_kernel(c: Config) -> rx.AbstractAttentionKernel:
         case "pallas_gpu":
             return rx.PallasGpuKernel(block_q=c.block_q, block_kv=c.block_kv, interpret=True)
         case "pallas_tpu":
-            return rx.PallasTpuKernel(block_q=c.block_q, block_kv=c.block_kv, interpret=True)
+            return rx.PallasTpuKernel(
+                block_q=c.block_q,
+                block_kv=c.block_kv,
+                block_kv_compute=None,
+                backward_block_kv=None,
+                interpret=True,
+            )
         case other:
             raise ValueError(f"unknown kernel {other!r}")
 

@@ -143,7 +143,9 @@ KERNELS = [
     # Pallas kernels in the interpreter, with the smallest tiles their devices accept
     # (Triton: powers of two >= 16; Mosaic: multiples of 8 x 128).
     ("pallas_gpu", rx.PallasGpuKernel(block_q=16, block_kv=16, interpret=True)),
-    ("pallas_tpu", rx.PallasTpuKernel(block_q=16, block_kv=128, interpret=True)),
+    ("pallas_tpu", rx.PallasTpuKernel(
+        block_q=16, block_kv=128, block_kv_compute=None, backward_block_kv=None, interpret=True
+    )),
 ]
 
 

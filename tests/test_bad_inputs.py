@@ -379,7 +379,10 @@ def test_masked_nan_key_and_value_do_not_leak_into_gradients():
 
 PALLAS = [
     ("pallas_gpu", rx.PallasGpuKernel(16, 16, interpret=True)),
-    ("pallas_tpu", rx.PallasTpuKernel(8, 128, interpret=True)),
+    (
+        "pallas_tpu",
+        rx.PallasTpuKernel(8, 128, interpret=True, block_kv_compute=None, backward_block_kv=None),
+    ),
 ]
 
 

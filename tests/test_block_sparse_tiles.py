@@ -19,7 +19,9 @@ from ringeqx._kernels import _pallas_tiles as tiles
 
 
 GPU = rx.PallasGpuKernel(block_q=16, block_kv=16, interpret=True)
-TPU = rx.PallasTpuKernel(block_q=16, block_kv=128, interpret=True)
+TPU = rx.PallasTpuKernel(
+    block_q=16, block_kv=128, block_kv_compute=None, backward_block_kv=None, interpret=True
+)
 
 
 def _mask(seq_len: int, block: int = 8) -> rx.AbstractMask:

@@ -424,7 +424,12 @@ def test_interpret_selects_pallas_anywhere():
         interpret=True
     )
     assert rx.select_kernel("auto", "tpu", interpret=True) == rx.PallasTpuKernel(
-        block_q=1024, block_kv=1024, interpret=True
+        block_q=1024,
+        block_kv=4096,
+        block_kv_compute=1024,
+        backward_block_kv=2048,
+        backward_block_kv_compute=512,
+        interpret=True,
     )
     assert rx.select_kernel("pallas_gpu", interpret=True) == rx.PallasGpuKernel(
         interpret=True
@@ -825,13 +830,34 @@ def test_tpu_kernel_computes_a_key_tile_in_pieces():
         _check(str(config), res, x, config[-1], "XlaKernel")
     for bad in (100, 384, 0):
         with pytest.raises(ValueError, match="`block_kv_compute` must be None or a positive"):
-            rx.PallasTpuKernel(block_kv=256, block_kv_compute=bad)
+            rx.PallasTpuKernel(block_kv=1024, block_kv_compute=bad)
         with pytest.raises(ValueError, match="`backward_block_kv_compute` must be None or"):
-            rx.PallasTpuKernel(backward_block_kv=256, backward_block_kv_compute=bad)
+            rx.PallasTpuKernel(backward_block_kv=1024, backward_block_kv_compute=bad)
+    # A piece at least the tile is the whole tile (the defaults' pieces on small tiles).
+    assert rx.PallasTpuKernel(block_kv=256, backward_block_kv=128).block_kv_compute == 1024
     with pytest.raises(ValueError, match="`backward_block_kv` must be None or a positive"):
         rx.PallasTpuKernel(backward_block_kv=100)
-    with pytest.raises(ValueError, match="needs `backward_block_kv`"):
-        rx.PallasTpuKernel(backward_block_kv_compute=128)
+
+
+def test_tpu_kernel_key_tiles_fit_the_sequence_and_head_dim():
+    # The default key tiles (4096 computed 1024 at a time; the backward's 2048 by 512):
+    # a sequence past a tile is cut into as few tiles as whole pieces make (5000 keys:
+    # two of 3072, not two of 4096; 300 keys: one of 384), and past head_dim 128 the
+    # tiles hold as many elements as at 128 (head_dim 256: 2048 and 1024 keys).
+    kernel = rx.PallasTpuKernel(interpret=True)
+
+    def tiles(length, head_dim, backward):
+        x = jnp.zeros((1, 2, length, head_dim), jnp.bfloat16)
+        t = kernel._tiling(x, x, backward)
+        return t.block_kv, t.kv_padded, kernel._compute(t, backward)
+
+    assert tiles(5000, 128, False) == (3072, 6144, 1024)
+    assert tiles(300, 128, False) == (384, 384, 384)
+    assert tiles(32768, 128, False) == (4096, 32768, 1024)
+    assert tiles(32768, 128, True) == (2048, 32768, 512)
+    assert tiles(32768, 256, False) == (2048, 32768, 1024)
+    assert tiles(32768, 256, True) == (1024, 32768, 512)
+    assert tiles(32768, 64, False) == (4096, 32768, 1024)
 
 
 def test_tpu_kernel_pieces_take_their_own_branches():

@@ -37,7 +37,9 @@ TPU_KINDS = ("TPU v5 lite", "TPU v6 lite")
 # not multiples of them (GPU: 300 = 2.3 x 128 query tiles, 4.7 x 64 key tiles, 5 key
 # tiles padded to a power-of-two table; TPU: 300 = 2.3 x 128).
 GPU = rx.PallasGpuKernel(block_q=128, block_kv=64)
-TPU = rx.PallasTpuKernel(block_q=128, block_kv=128)
+TPU = rx.PallasTpuKernel(
+    block_q=128, block_kv=128, block_kv_compute=None, backward_block_kv=None
+)
 SEQ = 300
 # Triton lowers for a compute capability. Without a GPU, JAX 0.10 assumed 9.0; JAX 0.12
 # reads it from the abstract mesh's device and refuses to guess, so the cuda exports
@@ -206,15 +208,18 @@ def test_tpu_tiles_too_large_for_vmem_are_a_clear_error():
     # only when compiling for a chip (aot/test_tpu_matrix.py compiles the ones allowed).
     q = jax.ShapeDtypeStruct((1, 4, 2048, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 1, 2048, 128), jnp.bfloat16)
-    kernel = rx.PallasTpuKernel(block_q=2048, block_kv=2048)
+    kernel = rx.PallasTpuKernel(
+        block_q=2048, block_kv=2048, block_kv_compute=None, backward_block_kv=None
+    )
 
     def program(q, k):
         return _block_call(kernel, q, k, k, rx.Causal(), None)
 
     with pytest.raises(
         ValueError,
-        match=r"PallasTpuKernel tiles `block_q`=2048 x `block_kv`=2048 at head_dim 128 "
-        r"need about 7\d\.\d MiB of VMEM; expected at most 56 MiB: choose smaller tiles",
+        match=r"PallasTpuKernel forward tiles `block_q`=2048 x 2048 keys \(computed 2048 at "
+        r"a time\) at head_dim 128 need about 7\d\.\d MiB of VMEM; expected at most 56 "
+        r"MiB: choose smaller tiles",
     ):
         _export(program, TPU_KINDS[0], q, k)
     # The same tiles on a short sequence shrink to it, and lower.

@@ -126,19 +126,27 @@ def _when_runs_in_pieces(rebuild_mask, run_ref, tile, k_ref, compute: int, body)
     """`body(dense, cols)` over the key tile in `k_ref`, `compute` key columns at a time
     (splash attention's `block_kv_compute`): the tile is copied in one DMA, and computed
     on in smaller pieces, whose score tiles and their siblings are that much smaller.
-    Each chunk takes its own branch from the table (`MaskReader.chunk`), so a wide tile
-    on a mask's edge computes only the chunks where someone attends, and masks only
-    those where not all do: wide tiles cost fewer grid steps (each about a microsecond
-    on a v5e, whatever it computes) and no more work than narrow ones."""
+    A dense tile runs its pieces in one branch, unrolled, so that the scheduler overlaps
+    one piece's softmax with the next one's matmuls (a branch a piece cost a v5e 12% at
+    full attention); on a masked tile each piece takes its own branch from the table
+    (`MaskReader.chunk`), so a wide tile on a mask's edge computes only the pieces where
+    someone attends, and masks only those where not all do. Wide tiles then cost fewer
+    grid steps (each about a microsecond on a v5e, whatever it computes) and no more
+    work than narrow ones."""
     chunks = k_ref.shape[0] // compute
     if chunks == 1:
         _when_runs(rebuild_mask, run_ref, tile, lambda dense: body(dense, slice(None)))
         return
+    pieces = [pl.ds(c * compute, compute) for c in range(chunks)]
 
-    @pl.when(rebuild_mask.runs(run_ref, tile))
+    @pl.when(rebuild_mask.dense(run_ref, tile))
     def _():
-        for c in range(chunks):
-            cols = pl.ds(c * compute, compute)
+        for cols in pieces:
+            body(True, cols)
+
+    @pl.when(rebuild_mask.masked(run_ref, tile))
+    def _():
+        for c, cols in enumerate(pieces):
             branch = rebuild_mask.chunk(run_ref, tile, c)
             pl.when(branch == MASKED)(lambda cols=cols: body(False, cols))
             pl.when(branch == DENSE)(lambda cols=cols: body(True, cols))
@@ -381,8 +389,10 @@ def _scoped_vmem(
     carried: bool = False,
     dq_rows: int = 0,
     compute: int | None = None,
+    backward: bool = True,
 ) -> int:
-    """Bytes of VMEM the largest of the three kernels holds for tiles `t`, from above.
+    """Bytes of VMEM the kernel (the backward, or with `backward` False the forward)
+    holds for tiles `t`, from above.
 
     The sum of the float32 score tile and its three siblings of the backward (P, dP,
     dS); the Q, dO, K and V blocks, double-buffered; the rows (lse, delta) and the
@@ -400,7 +410,8 @@ def _scoped_vmem(
     blocks = 2 * 2 * itemsize * d * (bq + bk)
     rows = 2 * 2 * 4 * bq * _LANES
     records = 2 * 4 * 4 * (bq * _LANES + _SUBLANES * bk)
-    accumulators = max(24 * bk * d, 12 * bq * d)
+    # The forward accumulates its `[bq, d]` output (and keeps its scaled queries).
+    accumulators = max(24 * bk * d, 12 * bq * d) if backward else 12 * bq * d
     carried_blocks = 2 * 2 * 4 * bk * d * carried
     dq = (4 * dq_rows * d + 2 * 4 * bq * d) if dq_rows else 0
     scores = 16 * bq * (compute or bk)
@@ -425,25 +436,30 @@ def _vmem_limit(
     carried: bool = False,
     dq_rows: int = 0,
     compute: int | None = None,
+    backward: bool = True,
 ) -> int | None:
     """The scoped VMEM limit a call asks Mosaic for: its default (None) where the tiles
     fit it, else `_LARGE_SCOPED_VMEM`; tiles that would need more are an error (Mosaic
     refuses them only when compiling, with a message about the kernel's internals)."""
     itemsize = inputs[0].dtype.itemsize
-    need = _scoped_vmem(t, itemsize, carried, dq_rows, compute)
+    need = _scoped_vmem(t, itemsize, carried, dq_rows, compute, backward)
     # A quarter's margin: the fused backward's float32 kernel at head_dim 64 (512 x 1024
     # tiles) was estimated at 14.6 MiB and took 16.99 MiB on v5p.
     if interpret or need <= 0.75 * _DEFAULT_SCOPED_VMEM:
         return None
     if need > _MAX_SCOPED_VMEM:
         default = PallasTpuKernel()
-        default_tiles = t._replace(block_q=default.block_q, block_kv=default.block_kv)
-        usual = _scoped_vmem(default_tiles, itemsize)
+        block_kv, usual_compute = default._key_tiles(backward)
+        default_tiles = t._replace(block_q=default.block_q, block_kv=block_kv)
+        usual = _scoped_vmem(default_tiles, itemsize, compute=usual_compute, backward=backward)
+        kind = "backward" if backward else "forward"
         raise ValueError(
-            f"PallasTpuKernel tiles `block_q`={t.block_q} x `block_kv`={t.block_kv} at "
-            f"head_dim {t.head_dim} need about {need / 2**20:.1f} MiB of VMEM; expected "
-            f"at most {_MAX_SCOPED_VMEM // 2**20} MiB: choose smaller tiles (the default "
-            f"{default.block_q} x {default.block_kv} needs {usual / 2**20:.1f} MiB here)."
+            f"PallasTpuKernel {kind} tiles `block_q`={t.block_q} x {t.block_kv} keys "
+            f"(computed {compute or t.block_kv} at a time) at head_dim {t.head_dim} need "
+            f"about {need / 2**20:.1f} MiB of VMEM; expected at most "
+            f"{_MAX_SCOPED_VMEM // 2**20} MiB: choose smaller tiles (the default "
+            f"{default.block_q} x {block_kv} computed {usual_compute} at a time needs "
+            f"{usual / 2**20:.1f} MiB here)."
         )
     return _LARGE_SCOPED_VMEM
 
@@ -502,7 +518,13 @@ class _Call(NamedTuple):
         carried = bool(into) and into_spec is not None
         semantics = ("parallel",) * (len(grid) - sequential) + ("arbitrary",) * sequential
         vmem = _vmem_limit(
-            self.t, inputs, self.interpret, carried, dq_rows, self.block_kv_compute
+            self.t,
+            inputs,
+            self.interpret,
+            carried,
+            dq_rows,
+            self.block_kv_compute,
+            self.kind == "backward",
         )
         return pl.pallas_call(
             kernel,
@@ -657,6 +679,17 @@ class _QuerySplit(NamedTuple):
         return outputs
 
 
+def _key_tile(block_kv: int, compute: int | None, length: int) -> int:
+    """The key tile for `length` keys: as few tiles as `block_kv` allows, each as short
+    as whole pieces of `compute` columns (or of 128, for a tile of one piece) make it,
+    so that a sequence just past a tile is not padded by a whole wide tile (5000 keys
+    in tiles of 4096 computed 1024 at a time: two tiles of 3072, not of 4096)."""
+    tiles_needed = -(-length // block_kv)
+    per_tile = -(-length // tiles_needed)
+    unit = compute if compute is not None and per_tile > compute else _LANES
+    return min(block_kv, tiles.round_up(per_tile, unit))
+
+
 class PallasTpuKernel(AbstractAttentionKernel):
     """Flash attention written in Pallas for TPUs (Mosaic).
 
@@ -682,18 +715,21 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `block_kv`: key tile (static), a multiple of 128.
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
     - `block_kv_compute`: key columns computed at a time within a `block_kv` tile
-      (static; a multiple of 128 dividing `block_kv`), or None for the whole tile: the
+      (static; a multiple of 128 dividing `block_kv`), or None (or at least `block_kv`)
+      for the whole tile: the
       tile is copied in one DMA, its scores computed in smaller pieces, each piece on
       its own branch of the tile table (skipped where nobody attends, unmasked where
       all do), so a wide tile costs fewer grid steps and no more work.
     - `backward_block_kv`, `backward_block_kv_compute`: the same for the fused
-      backward (static), or None for the forward's: its float32 dK and dV accumulators
-      and four score-sized tiles make other tiles best there.
+      backward (static); `backward_block_kv=None` runs it on the forward's tiles (both
+      of them). Its float32 dK and dV accumulators and four score-sized tiles make
+      other tiles best there.
 
     Tiles (as shrunk to the sequence) whose kernels need more than Mosaic's default
-    scoped VMEM (16 MiB on v5e and v5p), such as 1024 x 1024, or head_dim 256 at the
-    default tiles, ask Mosaic for 64 MiB; tiles that would need more than 56 MiB are an
-    error when traced.
+    scoped VMEM (16 MiB on v5e and v5p), such as the defaults, ask Mosaic for 64 MiB;
+    tiles that would need more than 56 MiB are an error when traced. At head_dims past
+    128 the key tiles copied hold no more elements than the defaults' at 128 (head_dim
+    256: 2048 keys forward, 1024 backward; a v5e ran 4096 there 1.5x slower).
 
     Supports bfloat16 and float32 and head_dim 64 or a multiple of 128, on a TPU or with
     `interpret=True`. Sequences are padded to whole tiles, the padding masked. The tile
@@ -723,12 +759,14 @@ class PallasTpuKernel(AbstractAttentionKernel):
         ```
     """
 
+    # The defaults are a v5e chip's best (benchmarks/RESULTS.md, issue 43): wide key
+    # tiles, few grid steps; the backward's narrower, for its float32 dK/dV.
     block_q: int = eqx.field(static=True, default=1024, converter=as_int)
-    block_kv: int = eqx.field(static=True, default=1024, converter=as_int)
+    block_kv: int = eqx.field(static=True, default=4096, converter=as_int)
     interpret: bool = eqx.field(static=True, default=False)
-    block_kv_compute: int | None = eqx.field(static=True, default=None)
-    backward_block_kv: int | None = eqx.field(static=True, default=None)
-    backward_block_kv_compute: int | None = eqx.field(static=True, default=None)
+    block_kv_compute: int | None = eqx.field(static=True, default=1024)
+    backward_block_kv: int | None = eqx.field(static=True, default=2048)
+    backward_block_kv_compute: int | None = eqx.field(static=True, default=512)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
@@ -754,22 +792,19 @@ class PallasTpuKernel(AbstractAttentionKernel):
             ("backward_block_kv_compute", "backward_block_kv"),
         ):
             compute, block_kv = getattr(self, name), getattr(self, tile)
-            if name.startswith("backward") and block_kv is None:
-                if compute is not None:
-                    raise ValueError(
-                        f"PallasTpuKernel `{name}` needs `{tile}` (the backward's key "
-                        f"tile); got `{name}`={compute!r} with `{tile}`=None."
-                    )
+            if block_kv is None:  # the backward runs on the forward's tiles
                 continue
+            # At least the tile: the tile is computed whole.
             if compute is not None and (
                 not isinstance(compute, int)
                 or compute < _LANES
                 or compute % _LANES != 0
-                or block_kv % compute != 0
+                or (compute < block_kv and block_kv % compute != 0)
             ):
                 raise ValueError(
                     f"PallasTpuKernel `{name}` must be None or a positive multiple of "
-                    f"{_LANES} that divides `{tile}`={block_kv}; got {compute!r}."
+                    f"{_LANES} that divides `{tile}`={block_kv} (or is at least it); got "
+                    f"{compute!r}."
                 )
 
     def unsupported_head_dim(self, head_dim: int) -> str | None:
@@ -796,6 +831,14 @@ class PallasTpuKernel(AbstractAttentionKernel):
             return self.backward_block_kv, self.backward_block_kv_compute
         return self.block_kv, self.block_kv_compute
 
+    def _key_tile_cap(self, head_dim: int, backward: bool) -> int:
+        """The widest key tile the kernel copies at `head_dim`: the default's width at
+        head_dim 128 (4096 keys forward, 2048 backward), in elements. At head_dim 256 a
+        v5e ran the forward's 4096 keys 1.5x slower than 2048 (the copies of K and V
+        no longer hide behind the matmuls)."""
+        widest = PallasTpuKernel()._key_tiles(backward)[0] * 128 // head_dim
+        return max(_LANES, widest // _LANES * _LANES)
+
     def _compute(self, t: common.Tiling, backward: bool = False) -> int:
         """The key columns computed at a time in a tile of `t` (`block_kv_compute`, at
         most the tile as shrunk to the sequence)."""
@@ -807,8 +850,9 @@ class PallasTpuKernel(AbstractAttentionKernel):
     def _tiling(self, q: Array, k: Array, backward: bool = False) -> common.Tiling:
         q_len, kv_len = q.shape[2], k.shape[2]
         block_q = min(self.block_q, tiles.round_up(q_len, _SUBLANES))
-        block_kv = min(self._key_tiles(backward)[0], tiles.round_up(kv_len, _LANES))
-        return common.tiling(q, k, block_q, block_kv)
+        block_kv, compute = self._key_tiles(backward)
+        block_kv = min(block_kv, max(compute or 0, self._key_tile_cap(q.shape[3], backward)))
+        return common.tiling(q, k, block_q, _key_tile(block_kv, compute, kv_len))
 
     def _table(self, t: common.Tiling, scores: Scores, q_info, kv_info, backward: bool):
         """The tile table of tiles `t` (with its key chunks' branches) and the operands."""

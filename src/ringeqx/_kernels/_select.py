@@ -13,17 +13,14 @@ from ._xla import XlaKernel
 KernelName = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
 DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
 
-# Default tiles `(block_q, block_kv)` per kernel and device. XLA and Mosaic want big
-# tiles (fewer loop steps). Mosaic's are 1024 x 1024 (a float32 score tile of 4 MiB of
-# VMEM): on a v5e chip they beat 512 x 1024 by 3-12% at 8K and 32K tokens, forward and
-# backward (benchmarks/RESULTS.md, issue 43).
+# Default tiles `(block_q, block_kv)` of XlaKernel per device: XLA wants big tiles
+# (fewer loop steps). `PallasTpuKernel()` says its own.
 # A Triton program keeps its tile of scores in registers: `PallasGpuKernel()` picks its
 # tiles per dtype, head_dim and kernel from a table tuned so that none spills.
 _BLOCKS = {
     ("xla", "cpu"): (256, 256),
     ("xla", "gpu"): (512, 1024),
     ("xla", "tpu"): (512, 1024),
-    ("pallas_tpu", "tpu"): (1024, 1024),
 }
 
 
@@ -126,10 +123,8 @@ def _by_name(kernel: str, device: str, interpret: bool) -> AbstractAttentionKern
             return PallasGpuKernel(interpret=interpret)
         case "pallas_tpu":
             _pallas_device(kernel, "tpu", device, interpret)
-            block_q, block_kv = _BLOCKS["pallas_tpu", "tpu"]
-            return PallasTpuKernel(
-                block_q=block_q, block_kv=block_kv, interpret=interpret
-            )
+            # The kernel's own defaults (a v5e chip's best tiles).
+            return PallasTpuKernel(interpret=interpret)
         case _:
             raise ValueError(
                 "`kernel` must be 'auto', 'xla', 'pallas_gpu', 'pallas_tpu' or an "
@@ -160,9 +155,11 @@ def select_kernel(
     without any mesh is it JAX's default backend.
 
     Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
-    the CPU, 512 x 1024 for XLA on accelerators, 1024 x 1024 for Mosaic; Triton, whose score tile
-    lives in registers, its table of tiles per dtype, head_dim and kernel, chosen so
-    that no 16-bit kernel spills); [`ringeqx.tune_block_sizes`][] measures better ones.
+    the CPU, 512 x 1024 for XLA on accelerators; Mosaic's own, `PallasTpuKernel()`: queries
+    1024 at a time against 4096 keys computed 1024 at a time, the backward 2048 keys
+    computed 512 at a time; Triton, whose score tile lives in registers, its table of
+    tiles per dtype, head_dim and kernel, chosen so that no 16-bit kernel spills);
+    [`ringeqx.tune_block_sizes`][] measures better ones.
     Nothing falls back silently: a device that JAX does not have, or a Pallas kernel
     away from its device without `interpret=True`, is an error. What a kernel cannot run
     (a dtype, a head_dim) is an error when it is traced.
