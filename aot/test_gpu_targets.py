@@ -1,11 +1,11 @@
 """`target_mesh` for GPUs (the CUDA plugin's compile-only devices, from the published
-figures in `ringeqx._targets.GPUS`)."""
+figures in `ringeqx.tools._targets.GPUS`)."""
 
 import pytest
 
 import ringeqx as rx
 from ringeqx._kernels._select import mesh_device_type
-from ringeqx._targets import GPUS
+from ringeqx.tools._targets import GPUS
 
 
 @pytest.mark.parametrize("gpu, count", [("h100", 8), ("a100", 4), ("h100", 16), ("h200", 8)])

@@ -16,7 +16,7 @@ compiles it (the budget promise);
 `--refit` (which `--calibrate` runs at its end) fits the model's constants on the saved
 measurements (one count per term and regime, by non-negative least squares on relative
 error; the attention model first, then the LM's, whose features include the attention
-model's prediction) and writes them to `src/ringeqx/_plan_constants.py`, with the
+model's prediction) and writes them to `src/ringeqx/tools/_planner/_constants.py`, with the
 planner's headroom (the largest under-prediction seen, plus 2%).
 """
 
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx import _plan, _plan_model  # noqa: E402
+from ringeqx.tools._planner import _model as _plan_model, _plan  # noqa: E402
 
 
 MIB = 2**20

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 import ringeqx as rx
-from ringeqx import _plan_check, _targets
+from ringeqx.tools import _targets
+from ringeqx.tools._planner import _compiled as _plan_check
 
 
 TARGET = "v5e:1x1"

@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx import _plan, _plan_model  # noqa: E402
+from ringeqx.tools._planner import _model as _plan_model, _plan  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -57,7 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._timing import median_seconds  # noqa: E402
-from ringeqx._trace import op_kinds, op_times  # noqa: E402
+from ringeqx.tools._hlo._trace import op_kinds, op_times  # noqa: E402
 
 
 def _profile(fn, arrays, reps: int, trace_dir: str):

@@ -103,7 +103,7 @@ def test_the_graph_is_read_correctly():
     assert "ringeqx._masks" in graph["ringeqx._kernels._xla"]
     assert "ringeqx._kernels._pallas_tiles" in graph["ringeqx._kernels._pallas_gpu"]
     assert "ringeqx.nn" in graph["ringeqx"]
-    assert "ringeqx._steps" in graph["ringeqx._schedule"]
+    assert "ringeqx._steps" in graph["ringeqx.tools._schedule"]
     source = "def f():\n    from .._ring import ring_attention\n"
     found = _imports("ringeqx._kernels._made_up", source, False, _modules())
     assert found == {"ringeqx._ring"}

@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 
 import ringeqx as rx
 from ringeqx._cli import main
-from ringeqx._profile import collectives, module, parse_collectives
+from ringeqx.tools._hlo._parse import collectives, module, parse_collectives
 
 
 SRC = str(Path(__file__).parents[1] / "src")

@@ -449,7 +449,7 @@ def test_report_names_the_mesh_axis():
     assert permutes and all(x.axes == ("sequence",) for x in permutes)
     # Device ids that vary along "batch" only.
     hlo_attrs = "replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add"
-    from ringeqx._report import _axes_of
+    from ringeqx.tools._hlo._report import _axes_of
 
     assert _axes_of(hlo_attrs, m) == ("batch",)
     assert _axes_of("replica_groups=[2,4]<=[8]", m) == ("sequence",)

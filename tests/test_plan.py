@@ -13,7 +13,7 @@ import pytest
 
 import ringeqx as rx
 from ringeqx._cli import PROFILES, main
-from ringeqx._plan_model import headroom
+from ringeqx.tools._planner._model import headroom
 
 
 MIB = 2**20
@@ -168,7 +168,7 @@ def test_tpu_budgets_are_what_the_runtime_allows():
 def test_uncalibrated_regime_is_refused_not_guessed(monkeypatch):
     # With no counts for its regime the model would predict the arguments and outputs
     # alone (a 1-chip TPU ring so predicted was 2.7x under its compiled bytes): refused.
-    from ringeqx._plan_constants import ATTENTION, LM
+    from ringeqx.tools._planner._constants import ATTENTION, LM
 
     kw = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
     assert rx.plan(65536, 1, device="tpu-v5p", **kw).memory.attention > 0
@@ -189,7 +189,7 @@ def test_lm_wider_than_the_fit_is_refused_not_extrapolated():
     # On accelerators the LM terms were fitted on widths up to 8192 (MLPs up to 45056);
     # 12288-wide steps compiled to up to 30% more than the terms say (an H100's headroom
     # is 26%), so the analytic planner refuses them and names the argument and the limit.
-    from ringeqx._plan_constants import WIDTHS
+    from ringeqx.tools._planner._constants import WIDTHS
 
     assert WIDTHS["tpu"]["dim"] == WIDTHS["gpu"]["dim"] == 8192
     lm = dict(heads=64, kv_heads=8, num_layers=2, vocab_size=32768)
@@ -223,8 +223,8 @@ def test_one_chip_lm_is_its_own_regime():
     # which libtpu refused (15.91G of temporaries on a 15.75G chip). One chip has its own
     # counts (`-p1`), and the analytic longest contexts compile inside the budget
     # (benchmarks/RESULTS.md).
-    from ringeqx._plan import plan_problem
-    from ringeqx._plan_model import lm_regime
+    from ringeqx.tools._planner._model import lm_regime
+    from ringeqx.tools._planner._plan import plan_problem
 
     lm = dict(heads=16, kv_heads=8, dim=2048, num_layers=4, vocab_size=32000, hidden=5632)
     one = rx.plan(26624, 1, device="tpu-v5e", remat="attention", **lm)
@@ -390,7 +390,7 @@ def test_accelerator_profiles_plan_their_compilers_program():
     # compiler (benchmarks/plan_target_grid.py).
     import equinox as eqx
 
-    from ringeqx._plan_constants import ATTENTION, HEADROOM, LM
+    from ringeqx.tools._planner._constants import ATTENTION, HEADROOM, LM
 
     remats = ("none", "attention", "block")
     for family, device in (("tpu", "tpu-v5p"), ("gpu", "h100")):

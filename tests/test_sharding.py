@@ -24,7 +24,7 @@ from helpers import assert_close, mesh, packed_segments, qkv, ring_loop_trips
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ringeqx as rx
-from ringeqx._profile import collectives
+from ringeqx.tools._hlo._parse import collectives
 
 
 SHAPE = dict(heads=4, kv_heads=2, head_dim=6)

@@ -5,7 +5,7 @@ names and sizes are clear errors. The meshes themselves are compiled for in `aot
 import pytest
 
 import ringeqx as rx
-from ringeqx._targets import GPUS, gpu_target_config
+from ringeqx.tools._targets import GPUS, gpu_target_config
 
 
 def test_missing_compilers_name_their_package():

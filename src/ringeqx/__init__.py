@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import nn as nn
+from . import nn as nn, tools as tools
 from ._call import ring_attention as ring_attention
 from ._comm import AllGather as AllGather, RingConfig as RingConfig
 from ._generate import generate as generate
@@ -35,28 +35,7 @@ from ._masks import (
     SlidingWindow as SlidingWindow,
     TileLocal as TileLocal,
 )
-from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
-from ._plan import CompiledMemory as CompiledMemory, Plan as Plan, PlanOverlap as PlanOverlap
-from ._plan_check import NoFit as NoFit, measure_memory as measure_memory
-from ._plan_model import MemoryBreakdown as MemoryBreakdown
-from ._planner import (
-    ContextSearch as ContextSearch,
-    longest_context as longest_context,
-    plan as plan,
-)
-from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
-from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention
-from ._report import (
-    HARDWARE as HARDWARE,
-    CollectiveRow as CollectiveRow,
-    CommReport as CommReport,
-    Hardware as Hardware,
-    RingCost as RingCost,
-    comm_report as comm_report,
-    table2 as table2,
-)
-from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,
     ALiBi as ALiBi,
@@ -71,12 +50,35 @@ from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
-from ._targets import target_mesh as target_mesh
 from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
-from ._trace import (
+from .tools import (
+    HARDWARE as HARDWARE,
+    CollectiveRow as CollectiveRow,
+    CommReport as CommReport,
+    CompiledMemory as CompiledMemory,
+    ContextSearch as ContextSearch,
+    Hardware as Hardware,
+    MemoryBreakdown as MemoryBreakdown,
+    NoFit as NoFit,
+    OverlapReport as OverlapReport,
+    Plan as Plan,
+    PlanOverlap as PlanOverlap,
     ProgramProfile as ProgramProfile,
+    RingCost as RingCost,
+    Schedule as Schedule,
     ThreadTime as ThreadTime,
+    comm_report as comm_report,
+    longest_context as longest_context,
+    measure_memory as measure_memory,
+    permute_stats as permute_stats,
+    plan as plan,
+    plot_layout as plot_layout,
+    plot_schedule as plot_schedule,
     profile_program as profile_program,
+    ring_overlap as ring_overlap,
+    schedule as schedule,
+    table2 as table2,
+    target_mesh as target_mesh,
 )
 
 

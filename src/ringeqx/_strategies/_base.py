@@ -9,7 +9,7 @@ from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import KernelName
 from .._layout import Layout
 from .._masks import AbstractMask
-from .._schedule import Schedule, schedule
+from ..tools._schedule import Schedule, schedule
 
 
 class AbstractShardingStrategy(eqx.Module):

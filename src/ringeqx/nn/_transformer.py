@@ -26,8 +26,8 @@ from .._layout import Layout, contiguous_layout
 from .._masks import check_ids
 from .._mesh import keep_on_ring
 from .._numbers import check_bool, check_size
-from .._plan import Plan
 from .._tokens import TokenInfo
+from ..tools._planner._plan import Plan
 from ._attention import RingAttention
 from ._options import AttentionOptions
 

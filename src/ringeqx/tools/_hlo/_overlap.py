@@ -8,7 +8,7 @@ import re
 import equinox as eqx
 import jax
 
-from ._profile import HLO_ARRAY, called_computations, module
+from ._parse import HLO_ARRAY, called_computations, module
 
 
 # A Pallas kernel as it reaches the scheduled HLO: Mosaic on TPU, Triton on GPU.

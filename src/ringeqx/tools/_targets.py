@@ -217,7 +217,7 @@ def target_mesh(
     - `target`: a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`) with its slice,
         as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")` (a single chip too, as
         `"v5e:1x1"`); or a GPU (`"h100"`, `"h200"`,
-        `"a100"`; their published figures are in `ringeqx._targets.GPUS`) with a
+        `"a100"`; their published figures are in `ringeqx.tools._targets.GPUS`) with a
         device count (default 8; more than 8 are hosts of 8), as `"h100:8"` or
         `target_mesh("h100", 8)`.
     - `size`: the slice topology (TPU) or device count (GPU), when `target` has none.

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from ._numbers import as_int, as_number, check_positive, check_size
-from ._profile import COLLECTIVES, check_hlo_type, check_kind, parse_collectives
+from ..._numbers import as_int, as_number, check_positive, check_size
+from ._parse import COLLECTIVES, check_hlo_type, check_kind, parse_collectives
 
 
 class Hardware(eqx.Module):

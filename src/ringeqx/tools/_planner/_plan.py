@@ -9,12 +9,18 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ._kernels._pallas_gpu import PallasGpuKernel
-from ._kernels._pallas_tpu import PallasTpuKernel
-from ._kernels._xla import XlaKernel
-from ._masks import AbstractMask, Causal, Full
-from ._numbers import as_int, check_size, is_int
-from ._plan_model import (
+from ..._kernels._pallas_gpu import PallasGpuKernel
+from ..._kernels._pallas_tpu import PallasTpuKernel
+from ..._kernels._xla import XlaKernel
+from ..._masks import AbstractMask, Causal, Full
+from ..._numbers import as_int, check_size, is_int
+from ..._steps import ring_window
+from ..._strategies._base import AbstractShardingStrategy
+from ..._strategies._uniform import Uniform
+from ..._strategies._work_balanced import WorkBalanced
+from ..._strategies._zigzag import Zigzag
+from .._hlo._report import HARDWARE, float_itemsize
+from ._model import (
     CATEGORIES,
     LMShapes,
     MemoryBreakdown,
@@ -25,12 +31,6 @@ from ._plan_model import (
     predict_lm,
     uncalibrated,
 )
-from ._report import HARDWARE, float_itemsize
-from ._steps import ring_window
-from ._strategies._base import AbstractShardingStrategy
-from ._strategies._uniform import Uniform
-from ._strategies._work_balanced import WorkBalanced
-from ._strategies._zigzag import Zigzag
 
 
 Remat = Literal["none", "attention", "block"]
@@ -569,7 +569,7 @@ def problem(
     target: str | None = None,
 ) -> tuple[Problem, tuple[Remat, ...]]:
     """`plan`'s arguments checked, as the problem and the remats to try (see
-    `ringeqx._planner.plan`)."""
+    `ringeqx.tools._planner._search.plan`)."""
     sizes = _sizes(
         seq_len=seq_len,
         num_devices=num_devices,

@@ -24,7 +24,7 @@ import math
 
 import equinox as eqx
 
-from ._plan_constants import ATTENTION, HEADROOM, LM, WIDTHS
+from ._constants import ATTENTION, HEADROOM, LM, WIDTHS
 
 
 class MemoryBreakdown(eqx.Module):

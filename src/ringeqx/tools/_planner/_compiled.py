@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import nn
-from ._call import ring_attention
-from ._overlap import ring_overlap
+from ... import nn
+from ..._call import ring_attention
+from .._hlo._overlap import ring_overlap
+from .._hlo._report import HARDWARE, RingCost
+from .._targets import target_mesh
 from ._plan import (
     CompiledMemory,
     Plan,
@@ -23,8 +25,6 @@ from ._plan import (
     make_plan,
     predict,
 )
-from ._report import HARDWARE, RingCost
-from ._targets import target_mesh
 
 
 _GIB = 2**30

@@ -16,8 +16,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._profile import COLLECTIVES
-from ._timing import median_seconds
+from ..._timing import median_seconds
+from ._parse import COLLECTIVES
 
 
 # The op kinds of compute, in the order they are tried on an op's (fused) HLO text.

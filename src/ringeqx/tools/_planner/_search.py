@@ -8,10 +8,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ._masks import AbstractMask
-from ._numbers import check_size
+from ..._masks import AbstractMask
+from ..._numbers import check_size
+from ._compiled import NoFit, compiled_search
 from ._plan import Plan, Remat, analytic_plan, problem, target_chips
-from ._plan_check import NoFit, compiled_search
 
 
 _GIB = 2**30
