@@ -74,7 +74,7 @@ def test_breakdown_adds_up_and_lm_counts_parameters():
     parts = p.to_dict()["memory"]
     assert m.total == parts.pop("total") == sum(parts.values())
     assert min(parts.values()) >= 0
-    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    model = p.model(key=jax.random.key(0))
     params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.Array))
     # Parameters in and out and their gradients, less what XLA reuses; Adam's two
     # moments in and out.
@@ -82,6 +82,15 @@ def test_breakdown_adds_up_and_lm_counts_parameters():
     assert m.optimizer_state == 4 * 4 * params
     attention = rx.plan(8192, 4, heads=4, head_dim=32, max_memory_usage=2**40).memory
     assert attention.parameters == attention.optimizer_state == 0
+
+
+def test_from_plan_is_a_deprecated_alias_of_plan_model():
+    p = rx.tools.plan(4096, 4, heads=2, dim=32, num_layers=1, vocab_size=64, max_memory_usage=2**40)
+    with pytest.warns(DeprecationWarning, match=r"plan\.model\(key=\.\.\.\)"):
+        old = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    new = p.model(key=jax.random.key(0))
+    assert jax.tree.structure(old) == jax.tree.structure(new)
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
 
 
 def test_suggested_strategy_follows_the_mask():
@@ -137,7 +146,7 @@ def test_argument_errors():
         rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="block")
     attention = rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`plan` must be an LM plan"):
-        rx.nn.RingTransformerLM.from_plan(attention, key=jax.random.key(0))
+        attention.model(key=jax.random.key(0))
     with pytest.raises((ValueError, TypeError), match="checkpoint"):
         rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint="most", key=jax.random.key(0))
 
@@ -147,7 +156,7 @@ def test_profile_memory_is_the_default_budget():
         1 << 18, 8, heads=4, kv_heads=2, dim=128, num_layers=2, vocab_size=256, device="h100"
     )
     assert p.max_memory_usage == rx.HARDWARE["h100"].memory == 80 * 2**30
-    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    model = p.model(key=jax.random.key(0))
     assert model.checkpoint == p.remat
     assert model.blocks[0].attention.kernel == p.kernel()
     assert model.blocks[0].attention.mask == p.mask
@@ -412,7 +421,7 @@ def test_accelerator_profiles_plan_their_compilers_program():
     assert (tpu.block_q, tpu.block_kv) == (pallas.block_q, pallas.block_kv)
 
     def build():
-        return rx.nn.RingTransformerLM.from_plan(cpu, key=jax.random.key(0))
+        return cpu.model(key=jax.random.key(0))
 
     model = eqx.filter_eval_shape(build)
     params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct))
@@ -423,6 +432,6 @@ def test_accelerator_profiles_plan_their_compilers_program():
     # Scanned layers: their own regime on accelerators, and the model the plan builds.
     scanned = rx.plan(16384, 4, batch_devices=2, device="tpu-v5p", scan_layers=True, **kw)
     assert scanned.scan_layers and scanned.memory != tpu.memory
-    assert rx.nn.RingTransformerLM.from_plan(scanned, key=jax.random.key(0)).scan_layers
+    assert scanned.model(key=jax.random.key(0)).scan_layers
     with pytest.raises(ValueError, match="`scan_layers=True` needs an LM plan"):
         rx.plan(4096, 4, heads=2, head_dim=8, max_memory_usage=2**30, scan_layers=True)

@@ -267,8 +267,9 @@ def test_schedule_counts_match_the_ring():
     np.testing.assert_array_equal(s.tiles_run + s.tiles_skipped, np.full((4, 4), 2))
     assert int(s.critical_path) == 8 and int(s.total_tiles) == 20
     assert float(s.imbalance) == pytest.approx((10 + 3 * 16) / (10 + (3 + 2 + 1) * 16 / 4))
-    # A method of every strategy, too.
-    method = rx.Uniform().schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
+    # A method of every strategy, too (deprecated: a schedule is a tool).
+    with pytest.warns(DeprecationWarning, match="ringeqx.tools.schedule"):
+        method = rx.Uniform().schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
     np.testing.assert_array_equal(method.pairs, s.pairs)
 
 

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ... import nn
 from ..._call import ring_attention
 from .._hlo._overlap import ring_overlap
 from .._hlo._report import HARDWARE, RingCost
@@ -77,7 +76,7 @@ def _adam(params, grads, m, v, count):
 def _lm_program(plan: Plan, mesh: Mesh, layout):
     """The LM training step (loss, gradients, Adam) and its abstract arguments."""
     model = eqx.filter_eval_shape(
-        lambda: nn.RingTransformerLM.from_plan(plan, key=jax.random.key(0))
+        lambda: plan.model(key=jax.random.key(0))
     )
     is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     params, static = eqx.partition(model, is_param)
@@ -143,7 +142,7 @@ def measure_memory(plan: Plan) -> dict[str, int]:
 
     The program is the one the plan's prediction is for: for an attention plan, ring
     attention's forward and backward (`q, k, v, d_out -> out, (dq, dk, dv)`); for an LM
-    plan, a training step of [`ringeqx.nn.RingTransformerLM.from_plan`][] (loss,
+    plan, a training step of the model `plan.model(...)` builds (loss,
     gradients and one Adam update, `params, m, v, count, tokens, labels -> loss, (params,
     m, v, count)`, nothing donated). Inputs are `jax.ShapeDtypeStruct`s sharded
     `P("batch", "sequence")` in the layout order of the plan's strategy, so nothing is

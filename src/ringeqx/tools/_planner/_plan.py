@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
+from jaxtyping import PRNGKeyArray
 
 from ..._kernels._pallas_gpu import PallasGpuKernel
 from ..._kernels._pallas_tpu import PallasTpuKernel
@@ -19,6 +20,7 @@ from ..._strategies._base import AbstractShardingStrategy
 from ..._strategies._uniform import Uniform
 from ..._strategies._work_balanced import WorkBalanced
 from ..._strategies._zigzag import Zigzag
+from ...nn import AttentionOptions, RingTransformerLM
 from .._hlo._report import HARDWARE, float_itemsize
 from ._model import (
     CATEGORIES,
@@ -146,10 +148,10 @@ class Plan(eqx.Module):
     """A memory plan: how to run ring attention (or train a `RingTransformerLM`) within
     `max_memory_usage` bytes per device, and what it is predicted to use.
 
-    Made by [`ringeqx.plan`][]. Build the model with
-    [`ringeqx.nn.RingTransformerLM.from_plan`][], the kernel with `plan.kernel()` and the
-    layout with `plan.layout(...)`; [`ringeqx.measure_memory`][] compiles the planned
-    program and reads what XLA allocates.
+    Made by [`ringeqx.plan`][]. Build the model with `plan.model(key=...)`, the kernel
+    with `plan.kernel()` and the layout with `plan.layout(...)`;
+    [`ringeqx.measure_memory`][] compiles the planned program and reads what XLA
+    allocates.
 
     **Fields:**
 
@@ -222,6 +224,47 @@ class Plan(eqx.Module):
         if self.target is not None or family(self.device) != "cpu":
             return "auto"
         return XlaKernel(self.block_q, self.block_kv)
+
+    def model(self, *, key: PRNGKeyArray) -> RingTransformerLM:
+        """The [`ringeqx.nn.RingTransformerLM`][] this plan (of kind `"lm"`) describes:
+        its sizes, its mask, the kernel `plan.kernel()` names, the planned remat as
+        `checkpoint`, and `scan_layers` as planned.
+
+        Shard its inputs with `plan.layout(...)` (the plan's strategy) and pass that
+        layout to `loss` / `__call__`. (The plan builds the model, rather than the model
+        reading a plan, so that `ringeqx.nn` needs none of the tools.)
+
+        **Arguments:**
+
+        - `key`: a `jax.random` key.
+
+        **Example:**
+
+        ```python
+        p = ringeqx.tools.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
+                               max_memory_usage=2**30)
+        model = p.model(key=jax.random.key(0))
+        ```
+        """
+        if self.kind != "lm":
+            raise ValueError(
+                "`plan` must be an LM plan (ringeqx.tools.plan(..., dim=, num_layers=, "
+                f"vocab_size=)); got a plan of kind {self.kind!r}."
+            )
+        assert self.vocab_size and self.dim and self.num_layers
+        attention = AttentionOptions(mask=self.mask, kernel=self.kernel(), head_dim=self.head_dim)
+        return RingTransformerLM(
+            self.vocab_size,
+            self.dim,
+            self.heads,
+            self.num_layers,
+            num_kv_heads=self.kv_heads,
+            hidden=self.hidden,
+            checkpoint=self.remat,
+            attention=attention,
+            scan_layers=self.scan_layers,
+            key=key,
+        )
 
     def layout(self, segment_ids=None):
         """The strategy's [`ringeqx.Layout`][] for this sequence and ring."""

@@ -96,7 +96,7 @@ def plan(
     ```python
     p = ringeqx.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
                      max_memory_usage=2**30)
-    model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    model = p.model(key=jax.random.key(0))
     ```
     """
     cfg, remats = problem(
