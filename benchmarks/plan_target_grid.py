@@ -1,9 +1,9 @@
 """The memory model calibrated per target family against the real TPU and GPU compilers.
 
-The analytic planner (`ringeqx.plan` without `target=`) answers instantly from a model of
+The analytic planner (`ringeqx.tools.plan` without `target=`) answers instantly from a model of
 the arrays a program holds, each term's count fitted per family of compiler: XLA:CPU
 (`benchmarks/plan_grid.py`), XLA:TPU (libtpu, TPU v5p slices) and XLA:GPU (the CUDA
-plugin, H100s). This script measures the programs `ringeqx.plan(..., target=...)` compiles
+plugin, H100s). This script measures the programs `ringeqx.tools.plan(..., target=...)` compiles
 (the platform's Pallas kernel; an LM's parameters and Adam state fully sharded and
 donated) on compile-only chips, fits the family's counts, and checks them on a grid they
 were not fitted on.
@@ -443,12 +443,12 @@ def chip_grid(family: str) -> list[dict]:
     ])  # fmt: skip
 
 
-def make_plan(cfg: dict) -> rx.Plan:
+def make_plan(cfg: dict) -> rx.tools.Plan:
     """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
     kw["mask"] = MASKS[cfg["mask"]]
     kw["device"] = _plan.target_profile(cfg["target"], "cpu", _chips(cfg["target"]))
-    # The analytic planner's first candidate, built directly: `rx.plan` refuses a regime
+    # The analytic planner's first candidate, built directly: `rx.tools.plan` refuses a regime
     # the model was never calibrated for, which is what a fit calibrates.
     problem, (remat,) = _plan.problem(max_memory_usage=2**50, **kw)
     tiles = _plan.kernel_tiles(problem)
@@ -461,8 +461,8 @@ def measure(cfg: dict) -> dict:
     kw = {k: v for k, v in cfg.items() if k != "kind"}
     kw["mask"] = MASKS[cfg["mask"]]
     try:
-        p = rx.plan(max_memory_usage=2**50, **kw)
-    except rx.NoFit as e:  # refused by the compiler as larger than a chip
+        p = rx.tools.plan(max_memory_usage=2**50, **kw)
+    except rx.tools.NoFit as e:  # refused by the compiler as larger than a chip
         return {"refused": str(e)[:300], "seconds": e.seconds}
     c = p.compiled
     return {

@@ -1,6 +1,13 @@
-"""ringeqx: exact ring attention for JAX, as typed, immutable Equinox modules."""
+"""ringeqx: exact ring attention for JAX, as typed, immutable Equinox modules.
+
+The core (`ring_attention`, masks, score modifiers, layouts, strategies, kernels,
+inference) is exported here, the layers as `ringeqx.nn`, and the tools that answer
+questions about programs (planning, targets, HLO readers, schedules, plots) as
+`ringeqx.tools`.
+"""
 
 import importlib.metadata
+import warnings
 
 from . import nn as nn, tools as tools
 from ._call import ring_attention as ring_attention
@@ -51,35 +58,56 @@ from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
 from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
-from .tools import (
-    HARDWARE as HARDWARE,
-    CollectiveRow as CollectiveRow,
-    CommReport as CommReport,
-    CompiledMemory as CompiledMemory,
-    ContextSearch as ContextSearch,
-    Hardware as Hardware,
-    MemoryBreakdown as MemoryBreakdown,
-    NoFit as NoFit,
-    OverlapReport as OverlapReport,
-    Plan as Plan,
-    PlanOverlap as PlanOverlap,
-    ProgramProfile as ProgramProfile,
-    RingCost as RingCost,
-    Schedule as Schedule,
-    ThreadTime as ThreadTime,
-    comm_report as comm_report,
-    longest_context as longest_context,
-    measure_memory as measure_memory,
-    permute_stats as permute_stats,
-    plan as plan,
-    plot_layout as plot_layout,
-    plot_schedule as plot_schedule,
-    profile_program as profile_program,
-    ring_overlap as ring_overlap,
-    schedule as schedule,
-    table2 as table2,
-    target_mesh as target_mesh,
-)
 
 
 __version__ = importlib.metadata.version("ringeqx")
+
+
+# The tools' old top-level names, kept for one release: each warns once, then is the
+# object in `ringeqx.tools`.
+_MOVED_TO_TOOLS = frozenset(
+    {
+        "CollectiveRow",
+        "CommReport",
+        "CompiledMemory",
+        "ContextSearch",
+        "HARDWARE",
+        "Hardware",
+        "MemoryBreakdown",
+        "NoFit",
+        "OverlapReport",
+        "Plan",
+        "PlanOverlap",
+        "ProgramProfile",
+        "RingCost",
+        "Schedule",
+        "ThreadTime",
+        "comm_report",
+        "longest_context",
+        "measure_memory",
+        "permute_stats",
+        "plan",
+        "plot_layout",
+        "plot_schedule",
+        "profile_program",
+        "ring_overlap",
+        "schedule",
+        "table2",
+        "target_mesh",
+    }
+)
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_TOOLS:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"`ringeqx.{name}` is deprecated: use `ringeqx.tools.{name}` (the tools "
+                "moved to `ringeqx.tools`; the top-level name goes in the next release).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(tools, name)
+    raise AttributeError(f"module 'ringeqx' has no attribute {name!r}")

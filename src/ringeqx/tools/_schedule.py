@@ -107,13 +107,13 @@ def schedule(
         A `PallasGpuKernel` whose tiles are left to its table (they depend on the
         dtype and head_dim) is counted with its forward's for bfloat16 at head_dim 128.
 
-    **Returns:** a [`ringeqx.Schedule`][]; see its `imbalance` and `critical_path`.
+    **Returns:** a [`ringeqx.tools.Schedule`][]; see its `imbalance` and `critical_path`.
 
     **Example:**
 
     ```python
     layout = ringeqx.Zigzag().layout(8192, 8)
-    s = ringeqx.schedule(layout, ringeqx.Causal(), kernel=ringeqx.PallasTpuKernel())
+    s = ringeqx.tools.schedule(layout, ringeqx.Causal(), kernel=ringeqx.PallasTpuKernel())
     print(s.imbalance, s.critical_path)
     ```
     """

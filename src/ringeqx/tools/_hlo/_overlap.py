@@ -235,7 +235,7 @@ def ring_overlap(compiled: str | jax.stages.Compiled) -> OverlapReport:
 
         ```python
         compiled = jax.jit(jax.grad(loss)).lower(q, k, v).compile()
-        report = ringeqx.ring_overlap(compiled)
+        report = ringeqx.tools.ring_overlap(compiled)
         print(report)
         assert report.all_overlap
         ```

@@ -23,7 +23,7 @@ class Hardware(eqx.Module):
     - `flops`: peak dense bf16 FLOP/s.
     - `bandwidth`: bytes/s one way on the link the ring uses.
     - `memory`: bytes of device memory (HBM) a program may use per JAX device, the
-        default budget of [`ringeqx.plan`][] (None where unknown).
+        default budget of [`ringeqx.tools.plan`][] (None where unknown).
 
     Compression changes only what travels (K/V are cast back before the kernel runs), so
     the compute side is always the bf16 peak.
@@ -165,7 +165,7 @@ def table2(
 
 
 class CollectiveRow(eqx.Module):
-    """One row of a [`ringeqx.CommReport`][]: a kind of collective with one dtype and
+    """One row of a [`ringeqx.tools.CommReport`][]: a kind of collective with one dtype and
     shape and axis."""
 
     kind: str = eqx.field(static=True)
@@ -182,7 +182,7 @@ class CollectiveRow(eqx.Module):
 
 
 class CommReport(eqx.Module):
-    """What a compiled program communicates (see [`ringeqx.comm_report`][])."""
+    """What a compiled program communicates (see [`ringeqx.tools.comm_report`][])."""
 
     rows: tuple[CollectiveRow, ...] = eqx.field(static=True)
     cost: RingCost | None = eqx.field(static=True, default=None)
@@ -342,15 +342,15 @@ def comm_report(fn, *args, mesh=None, cost: RingCost | None = None, **kwargs) ->
     - `mesh`: the mesh the program runs on, to name the axis of each collective
         (default: the one set by `jax.set_mesh`, if the program runs on it). A mesh of
         another number of devices, or of other axes, is an error.
-    - `cost`: an optional [`ringeqx.RingCost`][] for the model columns.
+    - `cost`: an optional [`ringeqx.tools.RingCost`][] for the model columns.
 
-    **Returns:** a [`ringeqx.CommReport`][]; `print` it for a table, or read `rows`,
+    **Returns:** a [`ringeqx.tools.CommReport`][]; `print` it for a table, or read `rows`,
     `count(kind)` and `bytes(kind)`.
 
     **Example:**
 
     ```python
-    report = ringeqx.comm_report(jax.jit(attention), q, k, v, mesh=mesh)
+    report = ringeqx.tools.comm_report(jax.jit(attention), q, k, v, mesh=mesh)
     print(report)
     ```
     """

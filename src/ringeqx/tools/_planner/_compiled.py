@@ -1,4 +1,4 @@
-"""`measure_memory`: compile the program a [`ringeqx.Plan`][] describes and read its
+"""`measure_memory`: compile the program a [`ringeqx.tools.Plan`][] describes and read its
 per-device memory from XLA (`memory_analysis()`), allocating no arrays; and the search
 that plans for a target cluster with its own compiler."""
 
@@ -259,7 +259,7 @@ def _check_state(cfg: Problem, plan: Plan) -> None:
 
 def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Plan:
     """The first of `remats` whose program, compiled for `target`, fits the budget
-    (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
+    (`ringeqx.tools.plan(..., target=...)`); a ValueError with every compiled size when none
     does (before any compile when an LM's parameters and Adam state alone do not fit)."""
     tiles = kernel_tiles(cfg)
     candidates = [
@@ -305,7 +305,7 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
 
 
 class NoFit(ValueError):
-    """Nothing fits the budget on the target: what [`ringeqx.plan`][]`(...,
+    """Nothing fits the budget on the target: what [`ringeqx.tools.plan`][]`(...,
     target=...)` raises, a `ValueError` whose message lists what each candidate
     compiled to.
 

@@ -1,4 +1,4 @@
-"""`ringeqx.plan`: tile sizes, rematerialisation and a sharding strategy chosen so that ring
+"""`ringeqx.tools.plan`: tile sizes, rematerialisation and a sharding strategy chosen so that ring
 attention (or a `RingTransformerLM` training step) fits a per-device memory budget."""
 
 import math
@@ -81,8 +81,8 @@ class CompiledMemory(NamedTuple):
 class PlanOverlap(NamedTuple):
     """Whether the ring's transfers hide behind its compute, for a compiled plan: the
     Ring Attention paper's condition with the chip's published FLOP rate and link
-    bandwidth ([`ringeqx.RingCost`][]), and the compiled program's schedule
-    ([`ringeqx.ring_overlap`][]).
+    bandwidth ([`ringeqx.tools.RingCost`][]), and the compiled program's schedule
+    ([`ringeqx.tools.ring_overlap`][]).
 
     **Fields:** `shard` (tokens a device holds on the ring); `min_shard`,
     `min_shard_backward` (the shortest shard whose forward, or backward, step computes
@@ -148,9 +148,9 @@ class Plan(eqx.Module):
     """A memory plan: how to run ring attention (or train a `RingTransformerLM`) within
     `max_memory_usage` bytes per device, and what it is predicted to use.
 
-    Made by [`ringeqx.plan`][]. Build the model with `plan.model(key=...)`, the kernel
+    Made by [`ringeqx.tools.plan`][]. Build the model with `plan.model(key=...)`, the kernel
     with `plan.kernel()` and the layout with `plan.layout(...)`;
-    [`ringeqx.measure_memory`][] compiles the planned program and reads what XLA
+    [`ringeqx.tools.measure_memory`][] compiles the planned program and reads what XLA
     allocates.
 
     **Fields:**
@@ -168,15 +168,15 @@ class Plan(eqx.Module):
     - `block_q`, `block_kv`: the kernel's tiles, used by the forward and the backward.
     - `remat`: what each block rematerialises: `"none"`, `"attention"` (projections and
         MLP matmuls kept, attention recomputed) or `"block"` (only the block's input kept).
-    - `device`: the device profile (`"cpu"` or a key of [`ringeqx.HARDWARE`][]).
+    - `device`: the device profile (`"cpu"` or a key of [`ringeqx.tools.HARDWARE`][]).
     - `max_memory_usage`: the budget in bytes per device.
-    - `memory`: the predicted [`ringeqx.MemoryBreakdown`][] per device.
+    - `memory`: the predicted [`ringeqx.tools.MemoryBreakdown`][] per device.
     - `target`: the cluster the plan was compiled for (`"v5p:4x4x4"`, `"h100:8"`), or
         None for a plan from the model alone.
     - `compiled`: with a `target`, the compiler's bytes per chip for the planned
         program (`arguments`, `outputs`, `temp`, `total`) and the compile's seconds.
     - `overlap`: with a `target`, the overlap condition and the compiled schedule's
-        answer to it ([`ringeqx.PlanOverlap`][]).
+        answer to it ([`ringeqx.tools.PlanOverlap`][]).
     """
 
     kind: Literal["attention", "lm"] = eqx.field(static=True)
@@ -477,7 +477,7 @@ def _no_fit_message(cfg: Problem, remat: Remat | None, block: int | None) -> str
     return f"{head}: raise max_memory_usage to {need / _MIB:,.1f} MiB."
 
 
-# A target's generation (as `ringeqx.target_mesh` names it) -> its device profile.
+# A target's generation (as `ringeqx.tools.target_mesh` names it) -> its device profile.
 _PROFILES = {
     "v4": "tpu-v4",
     "v5e": "tpu-v5e",
