@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx.tools._planner._plan import target_chips  # noqa: E402
+from ringeqx.tools._planner._problem import target_chips  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent

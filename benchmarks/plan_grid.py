@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx.tools._planner import _model as _plan_model, _plan  # noqa: E402
+from ringeqx.tools._planner import _analytic, _model as _plan_model  # noqa: E402
 
 
 MIB = 2**20
@@ -97,7 +97,7 @@ def make_plan(cfg: dict, budget: int = 2**44) -> rx.tools.Plan:
 
 def measured_row(cfg: dict) -> dict:
     plan = make_plan(cfg)
-    features, regime, io = _plan_model.terms(_plan.plan_problem(plan))
+    features, regime, io = _plan_model.terms(_analytic.plan_problem(plan))
     start = time.perf_counter()
     measured = rx.tools.measure_memory(plan)
     seconds = time.perf_counter() - start
@@ -157,7 +157,7 @@ def _refit_rows(path: str) -> list[dict]:
         saved = json.load(f)
     rows = []
     for r in saved:
-        features, regime, io = _plan_model.terms(_plan.plan_problem(make_plan(r["cfg"])))
+        features, regime, io = _plan_model.terms(_analytic.plan_problem(make_plan(r["cfg"])))
         rows.append(dict(r, features=features, regime=regime, io=io))
     return rows
 

@@ -238,8 +238,8 @@ def test_one_chip_lm_is_its_own_regime():
     # which libtpu refused (15.91G of temporaries on a 15.75G chip). One chip has its own
     # counts (`-p1`), and the analytic longest contexts compile inside the budget
     # (benchmarks/RESULTS.md).
+    from ringeqx.tools._planner._analytic import plan_problem
     from ringeqx.tools._planner._model import lm_regime
-    from ringeqx.tools._planner._plan import plan_problem
 
     lm = dict(heads=16, kv_heads=8, dim=2048, num_layers=4, vocab_size=32000, hidden=5632)
     one = rx.tools.plan(26624, 1, device="tpu-v5e", remat="attention", **lm)

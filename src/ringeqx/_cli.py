@@ -1061,7 +1061,7 @@ def _transfer_misuse(args: argparse.Namespace) -> str | None:
 
 def _target_chips(target: str) -> int:
     """The chips `target` names (importing JAX, but starting no backend)."""
-    from .tools._planner._plan import target_chips
+    from .tools._planner._problem import target_chips
 
     return target_chips(target)
 

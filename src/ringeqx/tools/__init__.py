@@ -8,16 +8,14 @@ kernels, `ringeqx.nn`) never imports this package, as Equinox keeps `eqx.debug` 
 `eqx.internal` apart from its layers.
 """
 
+from ._cost import RingCost as RingCost, table2 as table2
+from ._hardware import HARDWARE as HARDWARE, Hardware as Hardware
 from ._hlo._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
 from ._hlo._parse import permute_stats as permute_stats
 from ._hlo._report import (
-    HARDWARE as HARDWARE,
     CollectiveRow as CollectiveRow,
     CommReport as CommReport,
-    Hardware as Hardware,
-    RingCost as RingCost,
     comm_report as comm_report,
-    table2 as table2,
 )
 from ._hlo._trace import (
     ProgramProfile as ProgramProfile,

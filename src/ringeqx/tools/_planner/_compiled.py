@@ -11,19 +11,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..._call import ring_attention
+from .._cost import RingCost
+from .._hardware import HARDWARE
 from .._hlo._overlap import ring_overlap
-from .._hlo._report import HARDWARE, RingCost
 from .._targets import target_mesh
-from ._plan import (
-    CompiledMemory,
-    Plan,
-    PlanOverlap,
-    Problem,
-    Remat,
-    kernel_tiles,
-    make_plan,
-    predict,
-)
+from ._analytic import kernel_tiles, predict
+from ._plan import CompiledMemory, Plan, PlanOverlap, make_plan
+from ._problem import Problem, Remat
 
 
 _GIB = 2**30

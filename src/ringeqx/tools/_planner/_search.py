@@ -10,8 +10,10 @@ from jax.typing import DTypeLike
 
 from ..._masks import AbstractMask
 from ..._numbers import check_size
+from ._analytic import analytic_plan
 from ._compiled import NoFit, compiled_search
-from ._plan import Plan, Remat, analytic_plan, problem, target_chips
+from ._plan import Plan
+from ._problem import Remat, problem, target_chips
 
 
 _GIB = 2**30
