@@ -174,7 +174,7 @@ def aot(session: nox.Session, jax: str, target: str) -> None:
     One venv per compiler and end of the supported range (`aot(newest, tpu)` with
     libtpu 0.0.50, `aot(oldest, gpu)` with the CUDA plugin and ptxas, ...) runs
     `aot/test_{target}_*.py`: every kernel and the ring, fwd + grad, compiled for TPU
-    v5e/v5p and H100/A100 meshes of compile-only devices (`ringeqx.target_mesh`), with
+    v5e/v5p and H100/A100 meshes of compile-only devices (`ringeqx.tools.target_mesh`), with
     checks that read what the compilers emit (spills, the scheduled HLO). Posargs go to
     pytest.
     """

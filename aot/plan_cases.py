@@ -1,6 +1,6 @@
 """The compile-backed planner's small cases, shared by test_tpu_plan and test_gpu_plan:
-`ringeqx.plan(..., target=...)` for attention and for an LM training step, and
-`ringeqx.longest_context`, each answered by the target's compiler."""
+`ringeqx.tools.plan(..., target=...)` for attention and for an LM training step, and
+`ringeqx.tools.longest_context`, each answered by the target's compiler."""
 
 import jax.numpy as jnp
 import pytest
@@ -16,14 +16,14 @@ LM = dict(heads=4, kv_heads=2, dim=256, num_layers=1, vocab_size=1024)
 def check_plans(target: str, devices: int) -> None:
     """An attention plan and an LM plan for `target` fit their budgets by the compiler's
     count, which `measure_memory` reproduces; an impossible one says what it compiled."""
-    p = rx.plan(8192, devices, target=target, **ATTENTION)
+    p = rx.tools.plan(8192, devices, target=target, **ATTENTION)
     assert p.target == target and p.kernel() == "auto"
     assert 0 < p.compiled.total <= p.max_memory_usage
-    assert rx.measure_memory(p)["total"] == p.compiled.total
+    assert rx.tools.measure_memory(p)["total"] == p.compiled.total
     # The overlap condition at the chip's published figures, and the schedule's answer.
     o = p.overlap
-    cost = rx.RingCost(8192, devices, 8, 2, 128, kv_bytes=2)
-    assert o.shard == 8192 // devices and o.min_shard == cost.min_shard(rx.HARDWARE[p.device])
+    cost = rx.tools.RingCost(8192, devices, 8, 2, 128, kv_bytes=2)
+    assert o.shard == 8192 // devices and o.min_shard == cost.min_shard(rx.tools.HARDWARE[p.device])
     if devices > 2:  # 2 devices: their one hop is not in a loop, which ring_overlap reads
         assert o.permutes > 0 and o.scheduled, o
     else:
@@ -31,21 +31,21 @@ def check_plans(target: str, devices: int) -> None:
     # The instant answer (the model fitted to this family's compiler) against the
     # compiler's, on a shard inside the model's calibrated domain (8K tokens a chip and
     # more): within 15%.
-    long = rx.plan(65536 * devices, devices, target=target, **ATTENTION)
+    long = rx.tools.plan(65536 * devices, devices, target=target, **ATTENTION)
     assert abs(long.memory.total / long.compiled.total - 1) <= 0.15, (long.memory, long.compiled)
-    lm = rx.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
+    lm = rx.tools.plan(4096, devices, target=target, max_memory_usage=1024 * _MIB, **LM)
     assert lm.kind == "lm" and lm.remat == "none"
     assert 0 < lm.compiled.total <= 1024 * _MIB
     with pytest.raises(ValueError, match=rf"Nothing fits in max_memory_usage=0.00 GiB per chip "
                        rf"of {target}: seq_len=8192 compiles to remat='none': "):
-        rx.plan(8192, devices, target=target, max_memory_usage=_MIB, **ATTENTION)
+        rx.tools.plan(8192, devices, target=target, max_memory_usage=_MIB, **ATTENTION)
     # An LM whose parameters and Adam state alone exceed the budget: refused at once,
     # with nothing compiled, and so is every context of it.
-    with pytest.raises(rx.NoFit, match="the parameters and Adam state alone take") as e:
-        rx.plan(4096, devices, target=target, max_memory_usage=2**16, **LM)
+    with pytest.raises(rx.tools.NoFit, match="the parameters and Adam state alone take") as e:
+        rx.tools.plan(4096, devices, target=target, max_memory_usage=2**16, **LM)
     assert e.value.before_compile and e.value.seconds == 0.0 and e.value.total > 2**16
-    with pytest.raises(rx.NoFit, match="the parameters and Adam state alone take"):
-        rx.longest_context(target, max_memory_usage=2**16, log=None, **LM)
+    with pytest.raises(rx.tools.NoFit, match="the parameters and Adam state alone take"):
+        rx.tools.longest_context(target, max_memory_usage=2**16, log=None, **LM)
 
 
 def check_longest_context(target: str) -> None:
@@ -53,7 +53,7 @@ def check_longest_context(target: str) -> None:
     tried does not, and the search stops within 1/8 of it (or one unit)."""
     budget = 192 * _MIB
     lines = []
-    found = rx.longest_context(target, max_memory_usage=budget, log=lines.append, **ATTENTION)
+    found = rx.tools.longest_context(target, max_memory_usage=budget, log=lines.append, **ATTENTION)
     p = found.plan
     assert p.compiled.total <= budget and len(lines) == len(found.probes)
     assert all(ok == (seq <= p.seq_len) for seq, _, ok in found.probes)

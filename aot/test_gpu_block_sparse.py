@@ -57,7 +57,7 @@ def _compile(mesh, dump: str):
 
 @pytest.mark.parametrize("gpu", ["h100", "a100"])
 def test_block_sparse_ring_compiles_to_ptx(gpu):
-    mesh = rx.target_mesh(gpu, 8)
+    mesh = rx.tools.target_mesh(gpu, 8)
     assert isinstance(rx.select_kernel(mesh=mesh), rx.PallasGpuKernel)
     with tempfile.TemporaryDirectory() as dump:
         lowered, text, seconds = _compile(mesh, dump)

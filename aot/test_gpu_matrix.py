@@ -85,7 +85,7 @@ def _case_name(case) -> str:
 def _spills(gpu: str, dtype, monkeypatch) -> dict[tuple[int, str], tuple[int, int]]:
     """`{(case index, kernel): (spill store bytes, spill load bytes)}` of one program
     holding every case of `CASES`."""
-    mesh = rx.target_mesh(gpu, 8)
+    mesh = rx.tools.target_mesh(gpu, 8)
     kernel = rx.PallasGpuKernel()
     sharding = NamedSharding(mesh, P())
     args = [

@@ -35,11 +35,11 @@ CASES = [
 
 @pytest.mark.parametrize("name, mask, head_dim, ring", CASES, ids=[c[0] for c in CASES])
 def test_every_ring_hop_encloses_a_kernel_on_h100(name, mask, head_dim, ring):
-    mesh = rx.target_mesh("h100", 8)
+    mesh = rx.tools.target_mesh("h100", 8)
     lowered = lowered_ring_grad(
         mesh, mask, seq=SEQ, heads=8, kv_heads=2, head_dim=head_dim, **ring
     )
-    report = rx.ring_overlap(lowered.compile())
+    report = rx.tools.ring_overlap(lowered.compile())
     print(name, report, sep="\n")
     assert {p.direction for p in report.permutes} == {"forward", "backward"}, str(report)
     # The backward's hop carries the float32 dK/dV with K/V.

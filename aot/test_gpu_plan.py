@@ -18,7 +18,7 @@ def test_longest_context_on_h100():
 def test_one_gpu():
     # A ring of one GPU: the model calibrated for it against the compiler (uncalibrated,
     # it predicted the arguments and outputs alone).
-    p = rx.plan(65536, 1, target="h100:1", **ATTENTION)
+    p = rx.tools.plan(65536, 1, target="h100:1", **ATTENTION)
     assert 0 < p.compiled.total <= p.max_memory_usage
     assert abs(p.memory.total / p.compiled.total - 1) <= 0.15, (p.memory, p.compiled)
 
@@ -37,5 +37,5 @@ def test_a_kernel_out_of_shared_memory_is_an_error_not_a_length_that_does_not_fi
     tuned[16, 128] = _pallas_gpu._kinds(huge, huge, huge)
     monkeypatch.setattr(_pallas_gpu, "_TUNED", tuned)
     with pytest.raises(ValueError, match="on-chip memory, not of HBM") as refused:
-        rx.plan(8192, 1, target="h100:1", **ATTENTION)
+        rx.tools.plan(8192, 1, target="h100:1", **ATTENTION)
     assert "Shared memory size limit exceeded" in str(refused.value)

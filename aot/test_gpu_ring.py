@@ -1,5 +1,5 @@
 """The whole ring, forward and `jax.grad`, compiled by XLA's real CUDA compiler for
-compile-only H100 (sm_90) and A100 (sm_80) meshes of 4 GPUs (`ringeqx.target_mesh`).
+compile-only H100 (sm_90) and A100 (sm_80) meshes of 4 GPUs (`ringeqx.tools.target_mesh`).
 
 The GPU side of test_tpu_matrix's ring check, from the same case generator and program
 (aot/ring_programs.py): `kernel="auto"` must pick `PallasGpuKernel` on the mesh's GPUs,
@@ -49,6 +49,6 @@ def test_ring_forward_and_grad_every_mask(gpu):
             assert {s[2:] for s in SHAPES if s[axis] == value} == set(GQA), value
     cases = ring_cases(RING_MASKS, SHAPES)
     assert {c.name.split("-")[0] for c in cases} == {name for name, _ in RING_MASKS}
-    mesh = rx.target_mesh(gpu, 4)
+    mesh = rx.tools.target_mesh(gpu, 4)
     assert isinstance(rx.select_kernel(mesh=mesh), rx.PallasGpuKernel)
     compile_ring(mesh, cases)

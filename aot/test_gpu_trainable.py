@@ -7,6 +7,6 @@ import ringeqx as rx
 
 
 def test_trainable_modifier_grads_compile_for_h100():
-    mesh = rx.target_mesh("h100", 4)
+    mesh = rx.tools.target_mesh("h100", 4)
     assert isinstance(rx.select_kernel(mesh=mesh), rx.PallasGpuKernel)
     compile_trainable(mesh)

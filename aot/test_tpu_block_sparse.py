@@ -13,7 +13,7 @@ SEQ, BLOCK = 4 * 1024, 256
 @pytest.mark.parametrize("target", [("v5p", "2x2x1"), ("v5e", "2x2")])
 @pytest.mark.parametrize("which", ["alone", "and_causal", "or_prefix"])
 def test_block_sparse_compiles_with_mosaic(which, target):
-    mesh = rx.target_mesh(*target)
+    mesh = rx.tools.target_mesh(*target)
     lowered = lowered_ring_grad(
         mesh, block_sparse_mask(which, SEQ, BLOCK), seq=SEQ, heads=4, kv_heads=4,
         head_dim=128, kernel=rx.PallasTpuKernel(

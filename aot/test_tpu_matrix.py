@@ -2,7 +2,7 @@
 
 tests/test_lowering.py exports the kernels with `jax.export`, which stops at Mosaic's
 lowering. Here libtpu compiles them for compile-only TPU v5e, v5p and v6e devices
-(`ringeqx.target_mesh`): Mosaic's own passes (VMEM limits, vreg layouts) and XLA's TPU
+(`ringeqx.tools.target_mesh`): Mosaic's own passes (VMEM limits, vreg layouts) and XLA's TPU
 scheduler run on every program, so what they refuse fails here. For each generation:
 
 - the kernels' forward and backward on one block (`kernel.forward` / `kernel.backward`,
@@ -63,7 +63,7 @@ def _compile(fn, *args):
 def _one_chip(target: str) -> Mesh:
     """One compile-only chip of `target`: a kernel called outside `shard_map` must not
     be partitioned (Mosaic calls cannot be)."""
-    mesh = rx.target_mesh(*TARGETS[target])
+    mesh = rx.tools.target_mesh(*TARGETS[target])
     return Mesh(np.array(list(mesh.devices.flat)[:1]), ("chip",))
 
 
@@ -181,7 +181,7 @@ def test_ring_forward_and_grad_every_mask(target):
     (`kernel="auto"`: the mesh's TPUs pick PallasTpuKernel)."""
     cases = ring_cases(RING_MASKS, SHAPES)
     assert {c.name.split("-")[0] for c in cases} == {name for name, _ in RING_MASKS}
-    compile_ring(rx.target_mesh(*TARGETS[target]), cases)
+    compile_ring(rx.tools.target_mesh(*TARGETS[target]), cases)
 
 
 # A shard whose tile tables overflow SMEM (1 MiB): libtpu refused 256K tokens a chip in

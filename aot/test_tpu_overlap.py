@@ -50,11 +50,11 @@ CASES = [
 
 @pytest.mark.parametrize("name, mask, head_dim, ring", CASES, ids=[c[0] for c in CASES])
 def test_every_ring_hop_encloses_a_kernel(name, mask, head_dim, ring):
-    mesh = rx.target_mesh("v5p", "2x2x1")
+    mesh = rx.tools.target_mesh("v5p", "2x2x1")
     lowered = lowered_ring_grad(
         mesh, mask, seq=SEQ, heads=8, kv_heads=2, head_dim=head_dim, **ring
     )
-    report = rx.ring_overlap(lowered.compile())
+    report = rx.tools.ring_overlap(lowered.compile())
     print(name, report, sep="\n")
     directions = {p.direction for p in report.permutes}
     assert directions == {"forward", "backward"}, str(report)
@@ -73,7 +73,7 @@ def test_every_ring_hop_encloses_a_kernel(name, mask, head_dim, ring):
 def test_declared_kernel_cost_is_the_model_flops():
     # One chip, one forward + backward of a block: no loop, so XLA's cost analysis
     # counts each kernel once.
-    device = rx.target_mesh("v5p", "2x2x1").devices.flat[0]
+    device = rx.tools.target_mesh("v5p", "2x2x1").devices.flat[0]
     mesh = Mesh(np.array([device]), ("x",))
     b, h, kh, n, d = 1, 8, 2, 2048, 128
     kernel = rx.PallasTpuKernel()

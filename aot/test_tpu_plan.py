@@ -18,7 +18,7 @@ def test_one_chip_v5e():
     # A single-chip v5e: libtpu's own host layout for it, the budget its runtime allows
     # (a real chip's bytes_limit, below the published 16 GiB), and the model calibrated
     # for a ring of one against the compiler.
-    p = rx.plan(65536, 1, target="v5e:1x1", **ATTENTION)
+    p = rx.tools.plan(65536, 1, target="v5e:1x1", **ATTENTION)
     assert p.max_memory_usage == 16_909_336_064 and p.device == "tpu-v5e"
     assert 0 < p.compiled.total <= p.max_memory_usage
     assert abs(p.memory.total / p.compiled.total - 1) <= 0.15, (p.memory, p.compiled)
@@ -33,4 +33,4 @@ def test_a_kernel_out_of_vmem_is_an_error_not_a_length_that_does_not_fit(monkeyp
 
     monkeypatch.setattr(_pallas_tpu, "_vmem_limit", lambda *a, **k: 2**20)
     with pytest.raises(ValueError, match="out of the chip's on-chip memory, not of HBM"):
-        rx.plan(8192, 1, target="v5e:1x1", **ATTENTION)
+        rx.tools.plan(8192, 1, target="v5e:1x1", **ATTENTION)

@@ -20,7 +20,7 @@ from ringeqx._kernels._select import mesh_device_type
     ],
 )
 def test_tpu_slices(target, size, count, kind):
-    mesh = rx.target_mesh(target, size)
+    mesh = rx.tools.target_mesh(target, size)
     assert mesh.shape == {"sequence": count}
     assert {d.device_kind for d in mesh.devices.flat} == {kind}
     assert mesh_device_type(mesh) == "tpu"
@@ -28,7 +28,7 @@ def test_tpu_slices(target, size, count, kind):
 
 
 def test_tpu_mesh_shapes():
-    mesh = rx.target_mesh("v5p:2x2x2", mesh_shape=(2, 4), axis_names=("batch", "sequence"))
+    mesh = rx.tools.target_mesh("v5p:2x2x2", mesh_shape=(2, 4), axis_names=("batch", "sequence"))
     assert mesh.shape == {"batch": 2, "sequence": 4}
     with pytest.raises(ValueError, match=r"holds 6 devices; target 'v5p:2x2x2' has 8"):
-        rx.target_mesh("v5p:2x2x2", mesh_shape=(2, 3), axis_names=("batch", "sequence"))
+        rx.tools.target_mesh("v5p:2x2x2", mesh_shape=(2, 3), axis_names=("batch", "sequence"))

@@ -7,6 +7,6 @@ import ringeqx as rx
 
 
 def test_trainable_modifier_grads_compile_for_v5e():
-    mesh = rx.target_mesh("v5e", "2x2")
+    mesh = rx.tools.target_mesh("v5e", "2x2")
     assert isinstance(rx.select_kernel(mesh=mesh), rx.PallasTpuKernel)
     compile_trainable(mesh)

@@ -1,13 +1,14 @@
-"""Writes `src/ringeqx/_plan_constants.py` from the memory model's present tables (every
-family), for `plan_grid.py` (the CPU's counts) and `plan_target_grid.py` (TPU's, GPU's)."""
+"""Writes `src/ringeqx/tools/_planner/_constants.py` from the memory model's present tables
+(every family), for `plan_grid.py` (the CPU's counts) and `plan_target_grid.py` (TPU's, GPU's)."""
 
 import json
 from pathlib import Path
 
-from ringeqx import _plan_model
+from ringeqx.tools._planner import _model as _plan_model
 
 
-CONSTANTS = Path(__file__).resolve().parent.parent / "src" / "ringeqx" / "_plan_constants.py"
+SRC = Path(__file__).resolve().parent.parent / "src"
+CONSTANTS = SRC / "ringeqx" / "tools" / "_planner" / "_constants.py"
 
 
 def write_constants(family: str) -> None:

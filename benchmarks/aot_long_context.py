@@ -1,9 +1,9 @@
 """Compile long-context causal GQA ring attention, forward + backward, for a TPU slice.
 
-Runs the real TPU compiler (libtpu) on compile-only devices (`ringeqx.target_mesh`), so
+Runs the real TPU compiler (libtpu) on compile-only devices (`ringeqx.tools.target_mesh`), so
 it needs `jax[tpu]` but no TPU. Prints the compile time, per-chip memory, whether the
 scheduled HLO gathers anything, how many Mosaic kernels it calls and how many of the
-ring's permutes enclose one (`ringeqx.ring_overlap`).
+ring's permutes enclose one (`ringeqx.tools.ring_overlap`).
 
     python benchmarks/aot_long_context.py --target v5p:4x4x4 --seq-len 1048576
 """
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     a = parser.parse_args()
 
-    mesh = rx.target_mesh(a.target)
+    mesh = rx.tools.target_mesh(a.target)
     sharded = NamedSharding(mesh, P(None, "sequence"))
     q = jax.ShapeDtypeStruct((1, a.seq_len, a.heads, a.head_dim), jnp.bfloat16, sharding=sharded)
     kv = jax.ShapeDtypeStruct(
@@ -64,7 +64,7 @@ def main() -> None:
     print(f"all-gather in HLO: {'all-gather' in text}")
     mosaic = text.count('custom_call_target="tpu_custom_call"')
     print(f"Mosaic custom calls: {mosaic}")
-    report = rx.ring_overlap(text)
+    report = rx.tools.ring_overlap(text)
     enclosing = sum(p.overlaps for p in report.permutes)
     print(f"ring permutes enclosing a kernel: {enclosing} of {len(report.permutes)}")
 

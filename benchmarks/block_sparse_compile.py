@@ -9,7 +9,7 @@ with the words: at Mosaic's default 512 x 1024 tiles the tests' `block_size=4` m
 or v5p; at `block_size=64` (5 words) it compiles in seconds. The Triton kernels
 (128 x 64 tiles, 18 words at `block_size=4`) take ~6 minutes on H100.
 
-Runs the real compiler on compile-only devices (`ringeqx.target_mesh`; needs `jax[tpu]`
+Runs the real compiler on compile-only devices (`ringeqx.tools.target_mesh`; needs `jax[tpu]`
 or `jax[cuda12]`, no accelerator). Each block size is compiled in a process of its own
 under `--timeout` seconds, so one that does not finish is reported and the next runs.
 
@@ -45,7 +45,7 @@ def compile_one(target: str, size: str, block_size: int, shard_len: int, tiles) 
 
     import ringeqx as rx
 
-    mesh = rx.target_mesh(target, int(size) if size.isdigit() else size)
+    mesh = rx.tools.target_mesh(target, int(size) if size.isdigit() else size)
     seq = mesh.devices.size * shard_len
     blocks = -(-seq // block_size)
     i, j = np.indices((blocks, blocks))

@@ -48,8 +48,8 @@ def main():
             out, vjp = jax.vjp(f, q, k, v)
             return vjp(out)
 
-        r = rx.comm_report(jax.jit(f), q, kv, kv, mesh=m)
-        b = rx.comm_report(jax.jit(g), q, kv, kv, mesh=m)
+        r = rx.tools.comm_report(jax.jit(f), q, kv, kv, mesh=m)
+        b = rx.tools.comm_report(jax.jit(g), q, kv, kv, mesh=m)
         kinds = ("collective-permute", "all-to-all", "all-gather")
         cells = " | ".join(_mib(r.bytes(k)) for k in kinds)
         print(f"| {name} | {cells} | {_mib(r.bytes())} | {_mib(b.bytes())} |")

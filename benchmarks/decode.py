@@ -12,7 +12,7 @@ Three ways to attend one new token's query to a KV cache of `N` tokens sharded o
   hops of `collective-permute`, each device adding its slots' share on arrival (Ring
   Attention with the query moving instead of K/V; each hop waits for the one before).
 
-Bytes are per device per token, read from the compiled HLO (`ringeqx._profile`): the
+Bytes are per device per token, read from the compiled HLO (`ringeqx.tools._hlo._parse`): the
 result size of each collective times how often it runs (an all-reduce moves about twice
 its size over a ring, an all-gather about its size).
 
@@ -41,8 +41,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._decode import decode_attention  # noqa: E402
-from ringeqx._profile import parse_collectives  # noqa: E402
 from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx.tools._hlo._parse import parse_collectives  # noqa: E402
 
 
 def _partial(kernel, q, keys, values, kv_info, q_info, mask, scale):

@@ -2,7 +2,7 @@
 
 Run: `python benchmarks/long_context.py` (compile only, nothing runs; 8 fake CPU devices;
 a few minutes on 2 cores). For each ring size P it finds, by bisection over the planner's
-predictions, the longest sequence N (a multiple of `--step`) for which `ringeqx.plan`
+predictions, the longest sequence N (a multiple of `--step`) for which `ringeqx.tools.plan`
 finds a `RingTransformerLM` training step (loss, gradients, Adam) that fits `--budget-mib`
 per device, then compiles that plan and checks with `memory_analysis()` that it does fit.
 Against it: dense attention (`jax.nn.dot_product_attention`, forward + backward, one
@@ -50,9 +50,9 @@ def bisect(fits, step: int, hi: int) -> int:
     return lo_k * step
 
 
-def planned(n: int, p: int, budget: int) -> rx.Plan | None:
+def planned(n: int, p: int, budget: int) -> rx.tools.Plan | None:
     try:
-        return rx.plan(n, p, max_memory_usage=budget, **LM)
+        return rx.tools.plan(n, p, max_memory_usage=budget, **LM)
     except ValueError:
         return None
 
@@ -111,7 +111,7 @@ def main() -> int:
         n = bisect(lambda n: planned(n, p, budget) is not None, args.step, 2**24)
         plan = planned(n, p, budget)
         log(f"P={p}: longest N={n}, compiling its plan ...")
-        compiled = rx.measure_memory(plan)["total"]
+        compiled = rx.tools.measure_memory(plan)["total"]
         longest[p] = n
         rows.append((p, n, plan, compiled))
     log("dense attention ...")

@@ -1,5 +1,5 @@
 """The longest trainable context per cluster and model, answered by each target's
-compiler (`ringeqx.longest_context`), written into `docs/longest_context.md`.
+compiler (`ringeqx.tools.longest_context`), written into `docs/longest_context.md`.
 
 Every row is a search over compiles (one compile a probe) on compile-only devices, so it
 needs the target's compiler in the running environment: libtpu (`jax[tpu]`) for TPU
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._plan import target_chips  # noqa: E402
+from ringeqx.tools._planner._problem import target_chips  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ def _platform(target: str) -> str:
 def _available(target: str) -> bool:
     """Whether this environment has the target's compiler."""
     try:
-        rx.target_mesh(target)
+        rx.tools.target_mesh(target)
     except (ImportError, ValueError, RuntimeError):
         return False
     return True
@@ -73,8 +73,8 @@ def search(target: str, model: str, start_per_chip: int | None = None) -> dict:
         kw["dtype"] = jnp.bfloat16
     start = time.perf_counter()
     try:
-        found = rx.longest_context(target, **kw, log=lambda s: print(f"  {s}", flush=True))
-    except rx.NoFit as e:  # the model's state alone exceeds a chip: no context fits
+        found = rx.tools.longest_context(target, **kw, log=lambda s: print(f"  {s}", flush=True))
+    except rx.tools.NoFit as e:  # the model's state alone exceeds a chip: no context fits
         assert e.before_compile, e
         return {
             "target": target,

@@ -91,7 +91,7 @@ def main():
     for strategy in (rx.Uniform(), rx.Zigzag()):
         layout = strategy.layout(n, p, segment_ids=seg)
         progs = _programs(layout, mask, mesh, kernel, q, k, v, ct)
-        stats = [rx.permute_stats(c.as_text()) for c, _ in progs]
+        stats = [rx.tools.permute_stats(c.as_text()) for c, _ in progs]
         for c, a in progs:  # warm-up
             jax.block_until_ready(c(*a))
         times = ([], [])

@@ -3,7 +3,7 @@
 Run: `python benchmarks/plan_grid.py` (compile only, nothing runs; 8 fake CPU devices).
 For each configuration of the grid (N from 2K to 64K, P = 1, 2, 4, 8, masks, remat
 policies, attention alone and an LM training step) it makes a plan with the knobs fixed,
-compiles the planned program (`ringeqx.measure_memory`) and prints the predicted and the
+compiles the planned program (`ringeqx.tools.measure_memory`) and prints the predicted and the
 compiled per-device totals and their relative error (goal: within 15%). Then, for each
 configuration, it asks the planner for its own plan under a budget 15% above the
 configuration's compiled bytes and checks that the planned program compiles under it.
@@ -16,7 +16,7 @@ compiles it (the budget promise);
 `--refit` (which `--calibrate` runs at its end) fits the model's constants on the saved
 measurements (one count per term and regime, by non-negative least squares on relative
 error; the attention model first, then the LM's, whose features include the attention
-model's prediction) and writes them to `src/ringeqx/_plan_constants.py`, with the
+model's prediction) and writes them to `src/ringeqx/tools/_planner/_constants.py`, with the
 planner's headroom (the largest under-prediction seen, plus 2%).
 """
 
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx import _plan, _plan_model  # noqa: E402
+from ringeqx.tools._planner import _analytic, _model as _plan_model  # noqa: E402
 
 
 MIB = 2**20
@@ -90,16 +90,16 @@ def lm_config(rng: random.Random, lengths, blocks=None) -> dict:
     )
 
 
-def make_plan(cfg: dict, budget: int = 2**44) -> rx.Plan:
+def make_plan(cfg: dict, budget: int = 2**44) -> rx.tools.Plan:
     kwargs = dict(cfg, mask=MASKS[cfg["mask"]])
-    return rx.plan(max_memory_usage=budget, **kwargs)
+    return rx.tools.plan(max_memory_usage=budget, **kwargs)
 
 
 def measured_row(cfg: dict) -> dict:
     plan = make_plan(cfg)
-    features, regime, io = _plan_model.terms(_plan.plan_problem(plan))
+    features, regime, io = _plan_model.terms(_analytic.plan_problem(plan))
     start = time.perf_counter()
-    measured = rx.measure_memory(plan)
+    measured = rx.tools.measure_memory(plan)
     seconds = time.perf_counter() - start
     return dict(
         cfg=cfg,
@@ -157,7 +157,7 @@ def _refit_rows(path: str) -> list[dict]:
         saved = json.load(f)
     rows = []
     for r in saved:
-        features, regime, io = _plan_model.terms(_plan.plan_problem(make_plan(r["cfg"])))
+        features, regime, io = _plan_model.terms(_analytic.plan_problem(make_plan(r["cfg"])))
         rows.append(dict(r, features=features, regime=regime, io=io))
     return rows
 
@@ -194,12 +194,12 @@ def tightest(args) -> int:
             while hi - lo > max(1, lo // 1000):
                 mid = (lo + hi) // 2
                 try:
-                    rx.plan(n, 8, max_memory_usage=mid, **kw)
+                    rx.tools.plan(n, 8, max_memory_usage=mid, **kw)
                     hi = mid
                 except ValueError:
                     lo = mid
-            p = rx.plan(n, 8, max_memory_usage=hi, **kw)
-            total = rx.measure_memory(p)["total"]
+            p = rx.tools.plan(n, 8, max_memory_usage=hi, **kw)
+            total = rx.tools.measure_memory(p)["total"]
             worst = max(worst, total / hi)
             print(f"N={n:5d} {name:9s}: tightest budget {hi / MIB:7.2f} MiB, predicted "
                   f"{p.memory.total / MIB:7.2f}, compiled {total / MIB:7.2f} MiB = "
@@ -299,7 +299,7 @@ def budget_check(cfg: dict, row: dict) -> tuple[int, int, str]:
     except ValueError:
         return budget, 0, "no plan"
     same = plan.block_q == cfg["block_size"] and plan.remat == cfg.get("remat", "none")
-    measured = row["measured"] if same else rx.measure_memory(plan)
+    measured = row["measured"] if same else rx.tools.measure_memory(plan)
     return budget, measured["total"], f"{plan.remat}/{plan.block_q}"
 
 

@@ -10,9 +10,9 @@ python benchmarks/plan_on_chip.py --plan "attention 8:2 longest"   # one case ag
 python benchmarks/plan_on_chip.py                 # prints the table; --out FILE saves it
 ```
 
-`--plan` asks [`ringeqx.longest_context`][] for the longest context of ring attention
+`--plan` asks [`ringeqx.tools.longest_context`][] for the longest context of ring attention
 and of a `RingTransformerLM` training step on `"v5e:1x1"` (a single-chip v5e, as Cloud
-TPU rents it), and [`ringeqx.plan`][] for fixed lengths under each remat policy, and
+TPU rents it), and [`ringeqx.tools.plan`][] for fixed lengths under each remat policy, and
 saves each answer: the length, the remat, the analytic model's bytes and the compiler's.
 
 On the chip, every saved program (and, for each longest context, the first length the
@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 import ringeqx as rx
-from ringeqx import _plan_check, _targets
+from ringeqx.tools import _targets
+from ringeqx.tools._planner import _compiled as _plan_check
 
 
 TARGET = "v5e:1x1"
@@ -68,7 +69,7 @@ def _kwargs(problem: dict, remat) -> dict:
     return kw
 
 
-def _answer(plan: rx.Plan) -> dict:
+def _answer(plan: rx.tools.Plan) -> dict:
     c = plan.compiled
     return {
         "seq_len": plan.seq_len,
@@ -93,12 +94,12 @@ def plan_all(names: list[str]) -> dict:
             continue
         start = time.perf_counter()
         if seq_len is None:
-            search = rx.longest_context(TARGET, **_kwargs(problem, remat), log=None)
+            search = rx.tools.longest_context(TARGET, **_kwargs(problem, remat), log=None)
             entry = _answer(search.plan)
             refused = [n for n, _, ok in search.probes if not ok and n > search.plan.seq_len]
             entry["refused"] = min(refused) if refused else None
         else:
-            entry = _answer(rx.plan(seq_len, 1, target=TARGET, **_kwargs(problem, remat)))
+            entry = _answer(rx.tools.plan(seq_len, 1, target=TARGET, **_kwargs(problem, remat)))
         entry["search_seconds"] = round(time.perf_counter() - start, 1)
         out["cases"][name] = entry
         print(f"{name}: {entry}", flush=True)
@@ -125,10 +126,10 @@ def run_one(name: str, seq_len: int) -> dict:
     # No budget: the refused lengths are compiled and tried too (the remat is pinned and
     # a target's tiles are its kernel's own, so this is the program the search compiled).
     try:
-        plan = rx.plan(
+        plan = rx.tools.plan(
             seq_len, 1, target=TARGET, max_memory_usage=2**40, **_kwargs(problem, remat)
         )
-    except rx.NoFit as e:  # the real chip's compiler refused it: a result here
+    except rx.tools.NoFit as e:  # the real chip's compiler refused it: a result here
         return {"case": name, "seq_len": seq_len, "remat": remat, "model": None, "ran": False,
                 "error": f"refused: {' '.join(str(e).split())[:600]}", "peak": None,
                 "bytes_limit": None}  # fmt: skip

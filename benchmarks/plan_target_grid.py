@@ -1,9 +1,9 @@
 """The memory model calibrated per target family against the real TPU and GPU compilers.
 
-The analytic planner (`ringeqx.plan` without `target=`) answers instantly from a model of
+The analytic planner (`ringeqx.tools.plan` without `target=`) answers instantly from a model of
 the arrays a program holds, each term's count fitted per family of compiler: XLA:CPU
 (`benchmarks/plan_grid.py`), XLA:TPU (libtpu, TPU v5p slices) and XLA:GPU (the CUDA
-plugin, H100s). This script measures the programs `ringeqx.plan(..., target=...)` compiles
+plugin, H100s). This script measures the programs `ringeqx.tools.plan(..., target=...)` compiles
 (the platform's Pallas kernel; an LM's parameters and Adam state fully sharded and
 donated) on compile-only chips, fits the family's counts, and checks them on a grid they
 were not fitted on.
@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 from _constants import CONSTANTS, write_constants  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx import _plan, _plan_model  # noqa: E402
+from ringeqx.tools._planner import _analytic, _model as _plan_model, _plan, _problem  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def log(message: str) -> None:
 
 
 def _chips(target: str) -> int:
-    return _plan.target_chips(target)
+    return _problem.target_chips(target)
 
 
 def _split(rng: random.Random, target: str) -> tuple[int, int]:
@@ -443,16 +443,16 @@ def chip_grid(family: str) -> list[dict]:
     ])  # fmt: skip
 
 
-def make_plan(cfg: dict) -> rx.Plan:
+def make_plan(cfg: dict) -> rx.tools.Plan:
     """The plan of `cfg` from the model alone (its knobs fixed; no compile)."""
     kw = {k: v for k, v in cfg.items() if k not in ("kind", "target")}
     kw["mask"] = MASKS[cfg["mask"]]
-    kw["device"] = _plan.target_profile(cfg["target"], "cpu", _chips(cfg["target"]))
-    # The analytic planner's first candidate, built directly: `rx.plan` refuses a regime
+    kw["device"] = _problem.target_profile(cfg["target"], "cpu", _chips(cfg["target"]))
+    # The analytic planner's first candidate, built directly: `rx.tools.plan` refuses a regime
     # the model was never calibrated for, which is what a fit calibrates.
-    problem, (remat,) = _plan.problem(max_memory_usage=2**50, **kw)
-    tiles = _plan.kernel_tiles(problem)
-    memory = _plan.predict(problem, tiles[0], remat, problem.num_devices)
+    problem, (remat,) = _problem.problem(max_memory_usage=2**50, **kw)
+    tiles = _analytic.kernel_tiles(problem)
+    memory = _analytic.predict(problem, tiles[0], remat, problem.num_devices)
     return _plan.make_plan(problem, tiles[0], remat, memory, tiles=tiles)
 
 
@@ -461,8 +461,8 @@ def measure(cfg: dict) -> dict:
     kw = {k: v for k, v in cfg.items() if k != "kind"}
     kw["mask"] = MASKS[cfg["mask"]]
     try:
-        p = rx.plan(max_memory_usage=2**50, **kw)
-    except rx.NoFit as e:  # refused by the compiler as larger than a chip
+        p = rx.tools.plan(max_memory_usage=2**50, **kw)
+    except rx.tools.NoFit as e:  # refused by the compiler as larger than a chip
         return {"refused": str(e)[:300], "seconds": e.seconds}
     c = p.compiled
     return {
@@ -563,7 +563,7 @@ def _rows(family: str, split: str) -> list[dict]:
     for r in _load(family):
         if r["split"].partition("-")[0] != split or "total" not in r["measured"]:
             continue
-        problem = _plan.plan_problem(make_plan(r["cfg"]))
+        problem = _analytic.plan_problem(make_plan(r["cfg"]))
         features, regime, io = _plan_model.terms(problem)
         out.append(dict(r, features=features, regime=regime, io=io))
     return out
@@ -678,7 +678,7 @@ def _table(family: str, split: str) -> str:
     for r, pred, comp, err in errors(_rows(family, split)):
         # What the analytic planner refuses (an LM wider than the fit's) is shown with
         # the model's number, marked, and kept out of the worst error it answers with.
-        wide = _plan_model.uncalibrated(_plan.plan_problem(make_plan(r["cfg"])))
+        wide = _plan_model.uncalibrated(_analytic.plan_problem(make_plan(r["cfg"])))
         if wide:
             refused = max(refused, abs(err))
         else:

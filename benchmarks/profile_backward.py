@@ -4,7 +4,7 @@ per compiled op and grouped by what the op does.
 Run: `python benchmarks/profile_backward.py` (8 fake CPU devices, N = 8192, 4 heads x 64,
 float32, q/k/v sharded over the ring, the full mask by default). It profiles the
 forward+backward of `ringeqx.ring_attention` and, for comparison, its forward alone, each
-with `ringeqx.profile_program` (one warm-up run, then `--reps` timed and `--reps` traced
+with `ringeqx.tools.profile_program` (one warm-up run, then `--reps` timed and `--reps` traced
 runs inside `jax.profiler.trace(--trace-dir)`), which also reads the trace file the
 profiler writes. The trace directory is what XProf / TensorBoard's profile plugin open
 (`xprof --logdir TRACE_DIR`). The script prints a Markdown report:
@@ -57,12 +57,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._timing import median_seconds  # noqa: E402
-from ringeqx._trace import op_kinds, op_times  # noqa: E402
+from ringeqx.tools._hlo._trace import op_kinds, op_times  # noqa: E402
 
 
 def _profile(fn, arrays, reps: int, trace_dir: str):
-    """Op time per run by kind, and the matmuls one by one, from `rx.profile_program`."""
-    profile = rx.profile_program(fn, *arrays, trace_dir=trace_dir, repeats=reps)
+    """Op time per run by kind, and the matmuls one by one, from `rx.tools.profile_program`."""
+    profile = rx.tools.profile_program(fn, *arrays, trace_dir=trace_dir, repeats=reps)
     by_kind = collections.Counter(profile.compute)
     for kind, seconds in profile.collective.items():
         by_kind[kind] += seconds

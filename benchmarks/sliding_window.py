@@ -4,7 +4,7 @@ With a contiguous layout (`Uniform`) a causal window of `W` tokens over shards o
 `C` needs `ceil((W - 1) / C) + 1` ring steps, not one per device. This script shows it
 three ways for `W = 1024` over 16K tokens on 8 (fake CPU) devices:
 
-- the schedule ([`ringeqx.num_ring_steps`][], [`ringeqx.schedule`][]),
+- the schedule ([`ringeqx.num_ring_steps`][], [`ringeqx.tools.schedule`][]),
 - the compiled program: trip counts of the loops that hold collective-permutes and the
   bytes they send (forward + backward), parsed from the HLO,
 - forward + backward wall time, against the same call with `Causal()`.
@@ -72,7 +72,7 @@ def main():
         t0 = time.perf_counter()
         compiled = fn.lower(q, k, v).compile()
         compile_s = time.perf_counter() - t0
-        ops, nbytes, _ = rx.permute_stats(compiled.as_text())
+        ops, nbytes, _ = rx.tools.permute_stats(compiled.as_text())
         # Ring steps in the compiled forward: K and V blocks ([batch, heads, C, head_dim]
         # inside the device) each hop once per step after the first.
         fwd = jax.jit(
@@ -81,10 +81,10 @@ def main():
             )
         )
         block = f"f32[1,{args.heads},{cap},{args.head_dim}]"
-        kv_ops, _, _ = rx.permute_stats(fwd.lower(q, k, v).compile().as_text(), block)
+        kv_ops, _, _ = rx.tools.permute_stats(fwd.lower(q, k, v).compile().as_text(), block)
         hlo_steps = kv_ops // 2 + 1
         steps = rx.num_ring_steps(mask, layout)
-        sched = rx.schedule(layout, mask, kernel=kernel)
+        sched = rx.tools.schedule(layout, mask, kernel=kernel)
         jax.block_until_ready(compiled(q, k, v))  # warm-up
         times = []
         for _ in range(args.reps):

@@ -5,7 +5,7 @@ Run: `python benchmarks/strategies.py` (about 3 minutes on 2 CPU cores). It fake
 
 1. causal attention over N tokens: the imbalance (useful pairs, and kernel tiles), the
    critical path and the total of kernel tiles of `Uniform`, `Zigzag` and `Striped`, from
-   `ringeqx.schedule`;
+   `ringeqx.tools.schedule`;
 2. the same for packed documents with long-tailed (log-normal, seeded) lengths under
    causal + document masks: `Uniform`, `Zigzag`, `Striped(stripe=chunk)` and
    `WorkBalanced(chunk=chunk)`, with the time `WorkBalanced` takes to place them;
@@ -77,7 +77,7 @@ def causal_balance(n, p, block):
         ("Striped", rx.Striped()),
     ]:
         layout = strategy.layout(n, p)
-        print(_row(name, rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))))
+        print(_row(name, rx.tools.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))))
     print()
 
 
@@ -107,7 +107,7 @@ def document_balance(n, p, chunk, seeds):
             start = time.perf_counter()
             layout = jax.block_until_ready(strategy.layout(n, p, segment_ids=seg))
             took = time.perf_counter() - start
-            s = rx.schedule(layout, mask, kernel=rx.XlaKernel(chunk, chunk))
+            s = rx.tools.schedule(layout, mask, kernel=rx.XlaKernel(chunk, chunk))
             print(f"| {seed} | {about} " + _row(name, s, f" {took * 1e3:.0f} ms |"))
     print()
 
@@ -160,7 +160,7 @@ def causal_timing(n, p, heads, head_dim, block, reps):
     print("| strategy | fwd+bwd median (s) | critical path (tiles) | total tiles |")
     print("|---|---|---|---|")
     for name, (layout, _, _) in runs.items():
-        s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))
+        s = rx.tools.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(block, block))
         ts = times[name]
         print(
             f"| {name} | {statistics.median(ts):.2f} (runs: {', '.join(f'{t:.2f}' for t in ts)})"

@@ -120,7 +120,7 @@ def test_numpy_integers_are_ints():
     attention = lm.blocks[0].attention
     assert (attention.num_heads, attention.head_dim, type(attention.head_dim)) == (2, 8, int)
     sizes = dict(heads=i(8), kv_heads=i(2), head_dim=i(64), max_memory_usage=i(2**30))
-    assert rx.plan(i(4096), i(4), **sizes).seq_len == 4096
+    assert rx.tools.plan(i(4096), i(4), **sizes).seq_len == 4096
 
 
 def test_numpy_integers_under_filter_jit():
@@ -570,24 +570,30 @@ def test_both_orders_give_the_reference():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: rx.RingCost(0, 8, 8, 8, 64), r"`RingCost seq_len` must be an integer >= 1; got 0"),
-        (lambda: rx.RingCost(1024.5, 8, 8, 8, 64), r"`RingCost seq_len` .* got 1024.5"),
-        (lambda: rx.RingCost(1024, True, 8, 8, 64), r"`RingCost num_devices` .* got True"),
-        (lambda: rx.RingCost(1024, 8, 8, 3, 64), r"heads=8, kv_heads=3"),
-        (lambda: rx.RingCost(64, 8, 8, 8, 64, kv_bytes=0), r"`RingCost kv_bytes` must be a "
+        (
+            lambda: rx.tools.RingCost(0, 8, 8, 8, 64),
+            r"`RingCost seq_len` must be an integer >= 1; got 0",
+        ),
+        (lambda: rx.tools.RingCost(1024.5, 8, 8, 8, 64), r"`RingCost seq_len` .* got 1024.5"),
+        (lambda: rx.tools.RingCost(1024, True, 8, 8, 64), r"`RingCost num_devices` .* got True"),
+        (lambda: rx.tools.RingCost(1024, 8, 8, 3, 64), r"heads=8, kv_heads=3"),
+        (lambda: rx.tools.RingCost(64, 8, 8, 8, 64, kv_bytes=0), r"`RingCost kv_bytes` must be a "
          r"finite number > 0; got 0"),
-        (lambda: rx.Hardware("x", 0, 1e9), r"`Hardware flops` must be a finite number > 0"),
-        (lambda: rx.Hardware("x", float("nan"), 1e9), r"`Hardware flops` .* got nan"),
-        (lambda: rx.Hardware("x", 1e12, -1.0), r"`Hardware bandwidth` .* got -1.0"),
-        (lambda: rx.Hardware("x", True, 1e9), r"`Hardware flops` .* got True"),
-        (lambda: rx.Hardware("x", 1e12, 1e9, memory=0), r"`Hardware memory` must be an integer"),
-        (lambda: rx.table2(heads=0), r"`heads` must be an integer >= 1; got 0"),
-        (lambda: rx.table2(heads=8, kv_heads=3), r"heads=8, kv_heads=3"),
-        (lambda: rx.table2(kv_dtype="int8"), r"`kv_dtype` must be a floating dtype .*'int8'"),
-        (lambda: rx.table2(kv_dtype="bf17"), r"`kv_dtype` must be a floating dtype .*'bf17'"),
-        (lambda: rx.plan(64, 8, heads=8, head_dim=64, dtype="int8", max_memory_usage=2**30),
+        (lambda: rx.tools.Hardware("x", 0, 1e9), r"`Hardware flops` must be a finite number > 0"),
+        (lambda: rx.tools.Hardware("x", float("nan"), 1e9), r"`Hardware flops` .* got nan"),
+        (lambda: rx.tools.Hardware("x", 1e12, -1.0), r"`Hardware bandwidth` .* got -1.0"),
+        (lambda: rx.tools.Hardware("x", True, 1e9), r"`Hardware flops` .* got True"),
+        (
+            lambda: rx.tools.Hardware("x", 1e12, 1e9, memory=0),
+            r"`Hardware memory` must be an integer",
+        ),
+        (lambda: rx.tools.table2(heads=0), r"`heads` must be an integer >= 1; got 0"),
+        (lambda: rx.tools.table2(heads=8, kv_heads=3), r"heads=8, kv_heads=3"),
+        (lambda: rx.tools.table2(kv_dtype="int8"), r"`kv_dtype` must be a floating dtype .*'int8'"),
+        (lambda: rx.tools.table2(kv_dtype="bf17"), r"`kv_dtype` must be a floating dtype .*'bf17'"),
+        (lambda: rx.tools.plan(64, 8, heads=8, head_dim=64, dtype="int8", max_memory_usage=2**30),
          r"`dtype` must be a floating dtype .*'int8'"),
-        (lambda: rx.plan(64, 8, heads=8, dim=100, num_layers=1, vocab_size=16),
+        (lambda: rx.tools.plan(64, 8, heads=8, dim=100, num_layers=1, vocab_size=16),
          r"`dim`=100 is not a multiple of `heads`=8"),
     ],
 )  # fmt: skip
@@ -602,8 +608,8 @@ def test_cost_model_sizes_are_checked(make, match):
 
 
 def test_cost_model_takes_numpy_numbers():
-    cost = rx.RingCost(np.int64(1024), np.int32(8), 8, 2, 64, kv_bytes=np.float32(1.0))
-    assert cost == rx.RingCost(1024, 8, 8, 2, 64, kv_bytes=1.0)
-    hw = rx.Hardware("x", np.float64(1e12), np.int64(10**9), memory=np.int64(2**30))
+    cost = rx.tools.RingCost(np.int64(1024), np.int32(8), 8, 2, 64, kv_bytes=np.float32(1.0))
+    assert cost == rx.tools.RingCost(1024, 8, 8, 2, 64, kv_bytes=1.0)
+    hw = rx.tools.Hardware("x", np.float64(1e12), np.int64(10**9), memory=np.int64(2**30))
     assert (hw.flops, hw.bandwidth, hw.memory) == (1e12, 10**9, 2**30)
     assert type(hw.memory) is int

@@ -20,7 +20,7 @@ from jax.sharding import AxisType
 
 import ringeqx as rx
 from ringeqx._cli import main
-from ringeqx._profile import collectives, module, parse_collectives
+from ringeqx.tools._hlo._parse import collectives, module, parse_collectives
 
 
 SRC = str(Path(__file__).parents[1] / "src")
@@ -249,27 +249,27 @@ def _ring_program():
 
 def test_comm_report_refuses_the_mesh_of_another_program():
     f, q, mesh = _ring_program()
-    assert rx.comm_report(f, q, q, q, mesh=mesh).count("collective-permute") > 0
+    assert rx.tools.comm_report(f, q, q, q, mesh=mesh).count("collective-permute") > 0
     eight = jax.make_mesh((8,), ("sequence",), axis_types=(AxisType.Auto,))
     with pytest.raises(
         ValueError,
         match=r"`mesh` must be the mesh the program runs on \(4 devices with axes "
         r"\('sequence': 4\)\); got a mesh of 8 devices with axes \('sequence': 8\)",
     ):
-        rx.comm_report(f, q, q, q, mesh=eight)
+        rx.tools.comm_report(f, q, q, q, mesh=eight)
     # As many devices, other axes.
     other = jax.make_mesh((2, 2), ("batch", "sequence"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(ValueError, match=r"got a mesh of 4 devices with axes \('batch': 2"):
-        rx.comm_report(f, q, q, q, mesh=other)
+        rx.tools.comm_report(f, q, q, q, mesh=other)
     # A program on one device, with a ring's mesh.
     with pytest.raises(ValueError, match=r"runs on \(1 device\); got a mesh of 4 devices"):
-        rx.comm_report(lambda x: x * 2, q, mesh=mesh)
+        rx.tools.comm_report(lambda x: x * 2, q, mesh=mesh)
     with pytest.raises(TypeError, match="`mesh` must be a jax.sharding.Mesh .* got str"):
-        rx.comm_report(f, q, q, q, mesh="sequence")
+        rx.tools.comm_report(f, q, q, q, mesh="sequence")
     # The ambient mesh of `jax.set_mesh` is only a default: a program that does not run
     # on it is still reported.
     with jax.set_mesh(eight):
-        assert rx.comm_report(lambda x: x * 2, q).rows == ()
+        assert rx.tools.comm_report(lambda x: x * 2, q).rows == ()
 
 
 def test_collectives_are_read_only_from_hlo_modules():
@@ -277,7 +277,7 @@ def test_collectives_are_read_only_from_hlo_modules():
     lowered = f.lower(q, q, q)
     hlo = lowered.compile().as_text()
     assert parse_collectives(hlo) and collectives(hlo)
-    for read in (parse_collectives, collectives, rx.permute_stats):
+    for read in (parse_collectives, collectives, rx.tools.permute_stats):
         with pytest.raises(ValueError, match="`hlo` must be the text of a compiled HLO module"):
             read(lowered.as_text())  # StableHLO: no ENTRY computation
     # (The public readers' `hlo: str` is also checked by jaxtyping in the test suite.)

@@ -239,8 +239,8 @@ def test_zigzag_balance_trades_halves_by_permutes():
             lambda q, k, v: rx.ring_attention(q, k, v, mask=rx.Causal(), mesh=m, config=config)
         )
 
-    plain = rx.comm_report(forward(rx.RingConfig()), q, k, v, mesh=m)
-    balanced = rx.comm_report(forward(rx.RingConfig(balance="zigzag")), q, k, v, mesh=m)
+    plain = rx.tools.comm_report(forward(rx.RingConfig()), q, k, v, mesh=m)
+    balanced = rx.tools.comm_report(forward(rx.RingConfig(balance="zigzag")), q, k, v, mesh=m)
     half = CAP // 2
     extra = 2 * (half * HEADS * HEAD_DIM * 4) * 2 + 2 * 2 * (half * KV_HEADS * HEAD_DIM * 4)
     assert (
@@ -353,37 +353,43 @@ def test_report_counts_and_bytes():
         return (1, KV_HEADS, tokens, HEAD_DIM)
 
     # Forward: P - 1 hops of K and V.
-    r = rx.comm_report(forward(rx.RingConfig()), q, k, v, mesh=m)
+    r = rx.tools.comm_report(forward(rx.RingConfig()), q, k, v, mesh=m)
     (row,) = [x for x in r.rows if x.kind == "collective-permute" and x.dtype == "f32"]
     assert row.shape == kv_shape(CAP) and row.axes == ("sequence",)
     assert row.count == 2 * (p - 1) and row.bytes_per_op == _kv_bytes(CAP, 4)
     assert r.bytes("collective-permute", "f32") == 2 * (p - 1) * _kv_bytes(CAP, 4)
     # Backward too: K/V and dK/dV each P - 1 hops, then one hop home for dK/dV.
-    r = rx.comm_report(both(rx.RingConfig()), q, k, v, mesh=m)
+    r = rx.tools.comm_report(both(rx.RingConfig()), q, k, v, mesh=m)
     assert r.count("collective-permute", "f32") == 2 * (p - 1) + 2 * (p - 1) + 2 * (p - 1) + 2
     # n pieces: n times the permutes at 1/n the bytes (forward).
     n = 4
-    r = rx.comm_report(forward(rx.RingConfig(communication_parallelism=n)), q, k, v, mesh=m)
+    r = rx.tools.comm_report(forward(rx.RingConfig(communication_parallelism=n)), q, k, v, mesh=m)
     (row,) = [x for x in r.rows if x.kind == "collective-permute" and x.dtype == "f32"]
     assert row.shape == kv_shape(CAP // n)
     assert row.count == n * 2 * (p - 1) and row.bytes_per_op == _kv_bytes(CAP, 4) // n
     # ring_buffer_size gives the same split.
-    r2 = rx.comm_report(forward(rx.RingConfig(ring_buffer_size=CAP // n)), q, k, v, mesh=m)
+    r2 = rx.tools.comm_report(forward(rx.RingConfig(ring_buffer_size=CAP // n)), q, k, v, mesh=m)
     assert r2.rows == r.rows
     # bfloat16: half the bytes, sent as u16 bits; no float32 K/V on the wire.
-    r = rx.comm_report(forward(rx.RingConfig(compression_dtype=jnp.bfloat16)), q, k, v, mesh=m)
+    r = rx.tools.comm_report(
+        forward(rx.RingConfig(compression_dtype=jnp.bfloat16)), q, k, v, mesh=m
+    )
     assert r.count("collective-permute", "f32") == 0
     assert r.bytes("collective-permute", "u16") == 2 * (p - 1) * _kv_bytes(CAP, 2)
     # float8: a quarter, plus one float32 scale per (batch, kv head) block.
-    r = rx.comm_report(forward(rx.RingConfig(compression_dtype=jnp.float8_e4m3fn)), q, k, v, mesh=m)
+    r = rx.tools.comm_report(
+        forward(rx.RingConfig(compression_dtype=jnp.float8_e4m3fn)), q, k, v, mesh=m
+    )
     assert r.bytes("collective-permute", "u8") == 2 * (p - 1) * _kv_bytes(CAP, 1)
     assert r.bytes("collective-permute", "f32") == 2 * (p - 1) * KV_HEADS * 4
     # Bidirectional: half the shard each way, so each direction carries half the bytes.
-    r = rx.comm_report(forward(rx.RingConfig(bidirectional=True)), q, k, v, mesh=m)
+    r = rx.tools.comm_report(forward(rx.RingConfig(bidirectional=True)), q, k, v, mesh=m)
     (row,) = [x for x in r.rows if x.kind == "collective-permute" and x.dtype == "f32"]
     assert row.count == 2 * 2 * (p - 1) and row.shape == kv_shape(CAP // 2)
     # dK/dV in bfloat16 on the backward ring; the hop home stays float32.
-    r = rx.comm_report(both(rx.RingConfig(grad_compression_dtype=jnp.bfloat16)), q, k, v, mesh=m)
+    r = rx.tools.comm_report(
+        both(rx.RingConfig(grad_compression_dtype=jnp.bfloat16)), q, k, v, mesh=m
+    )
     assert r.bytes("collective-permute", "u16") == 2 * (p - 1) * _kv_bytes(CAP, 2)
     assert "collective-permute" in str(r)
 
@@ -404,7 +410,7 @@ def test_report_hybrid_and_allgather():
             out, vjp = jax.vjp(f, q, k, v)
             return vjp(out)
 
-        return rx.comm_report(jax.jit(g if backward else f), q, k, v, mesh=m)
+        return rx.tools.comm_report(jax.jit(g if backward else f), q, k, v, mesh=m)
 
     ring, hybrid = report(m, rx.RingConfig()), report(hm, HYBRID)
     # All-to-alls over the Ulysses axis, each moving the device's whole array (its
@@ -444,12 +450,12 @@ def test_report_names_the_mesh_axis():
     m = mesh(2, 4, names=("batch", "sequence"))
     q, k, v = qkv(jax.random.key(5), (2,), 16, HEADS, KV_HEADS, HEAD_DIM)
     f = jax.jit(lambda q, k, v: rx.ring_attention(q, k, v, mesh=m))
-    r = rx.comm_report(f, q, k, v, mesh=m)
+    r = rx.tools.comm_report(f, q, k, v, mesh=m)
     permutes = [x for x in r.rows if x.kind == "collective-permute"]
     assert permutes and all(x.axes == ("sequence",) for x in permutes)
     # Device ids that vary along "batch" only.
     hlo_attrs = "replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add"
-    from ringeqx._report import _axes_of
+    from ringeqx.tools._hlo._report import _axes_of
 
     assert _axes_of(hlo_attrs, m) == ("batch",)
     assert _axes_of("replica_groups=[2,4]<=[8]", m) == ("sequence",)
@@ -493,7 +499,7 @@ ENTRY %main (a: {hlo_type}[3,5]) -> {hlo_type}[3,5] {{
   %cp2 = {hlo_type}[3,5]{{1,0}} collective-permute(%a), channel_id=2, {pairs}
 }}
 """
-    ops, nbytes, trips = rx.permute_stats(hlo)
+    ops, nbytes, trips = rx.tools.permute_stats(hlo)
     assert (ops, nbytes, trips) == (8, 8 * 15 * itemsize, [7])
 
 
@@ -506,7 +512,7 @@ def test_table2_reproduces_the_paper():
         "tpu-v4": (1.0, 6.2),
         "tpu-v5e": (1.1, 6.3),
     }
-    table = rx.table2()
+    table = rx.tools.table2()
     for name, (block, seq) in paper.items():
         got_block, got_seq = table[name]
         assert got_seq == 6 * got_block
@@ -516,13 +522,13 @@ def test_table2_reproduces_the_paper():
     # GQA with 8 query heads per kv head: an eighth; float8 payloads: a half; float32:
     # twice.
     for name, (block, _) in table.items():
-        assert abs(rx.table2(8, 1)[name][0] - block / 8) <= 1
-        assert abs(rx.table2(kv_dtype=jnp.float8_e4m3fn)[name][0] - block / 2) <= 1
-        assert abs(rx.table2(kv_dtype=jnp.float32)[name][0] - 2 * block) <= 1
-    cost = rx.RingCost(8 * 2048, 8, 8, 8, 128, 2)
-    hw = rx.HARDWARE["a100-nvlink"]
+        assert abs(rx.tools.table2(8, 1)[name][0] - block / 8) <= 1
+        assert abs(rx.tools.table2(kv_dtype=jnp.float8_e4m3fn)[name][0] - block / 2) <= 1
+        assert abs(rx.tools.table2(kv_dtype=jnp.float32)[name][0] - 2 * block) <= 1
+    cost = rx.tools.RingCost(8 * 2048, 8, 8, 8, 128, 2)
+    hw = rx.tools.HARDWARE["a100-nvlink"]
     assert cost.hides(hw) and cost.min_shard(hw) == 1040
-    assert not rx.RingCost(8 * 512, 8, 8, 8, 128, 2).hides(hw)
+    assert not rx.tools.RingCost(8 * 512, 8, 8, 8, 128, 2).hides(hw)
 
 
 def test_bad_knob_values():
@@ -729,7 +735,7 @@ def test_masked_out_shard_offsets_are_never_sent():
         for g, r in zip(grads, ref_grads):
             assert_close(g, r)
     # The traced layout's ring loops over all p - 1 hops; no concrete one does.
-    _, _, trips = rx.permute_stats(compiled.as_text())
+    _, _, trips = rx.tools.permute_stats(compiled.as_text())
     assert max(trips) == p - 1 and sorted(trips)[-3] < p - 1
 
     # Forward permutes per call: one per hop of K, V and the records (packed into one
@@ -738,13 +744,13 @@ def test_masked_out_shard_offsets_are_never_sent():
     for lay, (_, mask, _, (ahead, steps)) in list(zip(layouts, cases))[:5]:
         arrays = 3
         fwd = jax.jit(functools.partial(ring, layout=lay, mask=mask)).lower(q, k, v).compile()
-        ops, _, _ = rx.permute_stats(fwd.as_text())
+        ops, _, _ = rx.tools.permute_stats(fwd.as_text())
         assert ops == arrays * (steps - 1 + (ahead > 0)) < arrays * (p - 1)
         # The schedule follows: the same steps, all the useful pairs of the full ring's,
         # and no more tiles (the full ring also runs tiles the finer rule rules out).
         kernel = rx.XlaKernel(4, 4)
-        sched = rx.schedule(lay, mask, kernel=kernel)
-        full = jax.jit(lambda lay, mask=mask: rx.schedule(lay, mask, kernel=kernel))(lay)
+        sched = rx.tools.schedule(lay, mask, kernel=kernel)
+        full = jax.jit(lambda lay, mask=mask: rx.tools.schedule(lay, mask, kernel=kernel))(lay)
         assert sched.tiles_run.shape == (steps, p) and full.tiles_run.shape == (p, p)
         assert float(jnp.sum(sched.pairs)) == float(jnp.sum(full.pairs)) > 0
         assert 0 < int(sched.total_tiles) <= int(full.total_tiles)
@@ -779,8 +785,8 @@ def test_wire_packs_records_and_compressed_kv_into_few_arrays(dtype):
 
 
 def test_reports_refuse_questions_they_do_not_understand():
-    report = rx.CommReport(
-        (rx.CollectiveRow("collective-permute", "f32", (2, 3), ("sequence",), 4, 24),)
+    report = rx.tools.CommReport(
+        (rx.tools.CollectiveRow("collective-permute", "f32", (2, 3), ("sequence",), 4, 24),)
     )
     assert report.count("collective-permute", "f32") == 4 and report.bytes() == 96
     assert report.count("all-gather") == 0  # a kind it knows, absent from the program
@@ -789,4 +795,4 @@ def test_reports_refuse_questions_they_do_not_understand():
     with pytest.raises(ValueError, match="`dtype` must be an HLO element type name .*'float32'"):
         report.bytes("collective-permute", "float32")
     with pytest.raises(ValueError, match="`hlo` must be the text of a compiled HLO module"):
-        rx.permute_stats("not a program")
+        rx.tools.permute_stats("not a program")

@@ -189,14 +189,14 @@ def test_early_stop_runs_and_sends_only_the_steps_that_matter():
         return jax.jit(both).lower(q, k, v, ct).compile()
 
     assert rx.num_ring_steps(rx.Causal(), layout) == p
-    _, causal_bytes, causal_trips = rx.permute_stats(program(rx.Causal()).as_text())
+    _, causal_bytes, causal_trips = rx.tools.permute_stats(program(rx.Causal()).as_text())
     assert sorted(causal_trips) == sorted(ring_loop_trips(p))
     for mask in (rx.SlidingWindow(11), rx.SlidingWindow(6, two_sided=True)):
         steps = rx.num_ring_steps(mask, layout)
         behind = math.ceil(mask.window / layout.capacity)
         assert steps == 3 and steps <= behind + 1 + (behind if mask.two_sided else 0)
         compiled = program(mask)
-        _, nbytes, trips = rx.permute_stats(compiled.as_text())
+        _, nbytes, trips = rx.tools.permute_stats(compiled.as_text())
         assert sorted(trips) == sorted(ring_loop_trips(steps))
         # K/V (+ records) per hop, and dK/dV in the backward: traffic scales with steps.
         assert nbytes < causal_bytes * (steps + 1) / p
@@ -420,7 +420,7 @@ def test_packed_documents_skip_cross_document_tiles():
     seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths), jnp.int32)
     layout = rx.Uniform().layout(seq, shards, segment_ids=seg)
     mask = rx.Causal() & rx.Document()
-    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(bq, bk))
+    sched = rx.tools.schedule(layout, mask, kernel=rx.XlaKernel(bq, bk))
 
     cap = layout.capacity
     pos = np.asarray(layout.positions)
@@ -435,14 +435,14 @@ def test_packed_documents_skip_cross_document_tiles():
                     ok = (qp[:, None] >= kp) & (qs[:, None] == ks) & qv[:, None] & kv
                     useful += int(ok.any())
     assert int(sched.total_tiles) == useful
-    causal = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(bq, bk))
+    causal = rx.tools.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(bq, bk))
     assert int(causal.total_tiles) > useful
 
 
 def test_window_schedule_has_only_the_steps_that_run():
     layout = rx.Uniform().layout(64, 8)
     mask = rx.SlidingWindow(11)
-    sched = rx.schedule(layout, mask, kernel=rx.XlaKernel(4, 4))
+    sched = rx.tools.schedule(layout, mask, kernel=rx.XlaKernel(4, 4))
     assert sched.tiles_run.shape == (rx.num_ring_steps(mask, layout), 8) == (3, 8)
 
 

@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec
 
 import ringeqx as rx
 from ringeqx._mesh import on_cpu
-from ringeqx._profile import called_computations, module
+from ringeqx.tools._hlo._parse import called_computations, module
 
 
 _COLLECTIVE = re.compile(

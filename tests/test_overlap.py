@@ -45,7 +45,7 @@ ENTRY %main (k: bf16[1,2,512,64], v: bf16[1,2,512,64]) -> (bf16[1,2,512,64], bf1
 
 
 def test_a_permute_around_the_kernel_overlaps_and_one_beside_it_does_not():
-    report = rx.ring_overlap(_HLO)
+    report = rx.tools.ring_overlap(_HLO)
     assert [loop.body for loop in report.loops] == ["body"]
     k, v = report.loops[0].permutes
     assert (k.start, k.done) == ("cp-k", "k-next")
@@ -68,20 +68,20 @@ def test_a_loop_whose_permutes_all_enclose_a_kernel():
         "  %cp-v = (bf16[1,2,512,64]{3,2,1,0}, bf16[1,2,512,64]{3,2,1,0}) "
         "collective-permute-start(%v), source_target_pairs={{0,1},{1,0}}\n  %run = ",
     )
-    report = rx.ring_overlap(text)
+    report = rx.tools.ring_overlap(text)
     assert len(report.permutes) == 2 and report.all_overlap
 
 
 def test_no_permutes_is_not_overlap():
-    report = rx.ring_overlap("HloModule m, is_scheduled=true\n\nENTRY %main () -> f32[] {\n"
+    report = rx.tools.ring_overlap("HloModule m, is_scheduled=true\n\nENTRY %main () -> f32[] {\n"
                              "  ROOT %c = f32[] constant(0)\n}\n")
     assert report.loops == () and not report.all_overlap
 
 
 def test_not_text_is_a_clear_error():
     with pytest.raises(TypeError, match="compiled"):  # (the test run's type checker is first)
-        rx.ring_overlap(42)
+        rx.tools.ring_overlap(42)
     # StableHLO (what `lower(...).as_text()` gives) is not the scheduled HLO: no ENTRY.
     stablehlo = jax.jit(lambda x: x + 1).lower(1.0).as_text()
     with pytest.raises(ValueError, match=r"`hlo` must be the text of a compiled HLO module"):
-        rx.ring_overlap(stablehlo)
+        rx.tools.ring_overlap(stablehlo)

@@ -1,4 +1,4 @@
-"""`ringeqx.plan`: predictions against XLA's compiled memory, budgets, errors, the CLI.
+"""`ringeqx.tools.plan`: predictions against XLA's compiled memory, budgets, errors, the CLI.
 
 Compile-only (no arrays are allocated) and small: the full grid, N from 2K to 64K, is
 `benchmarks/plan_grid.py`.
@@ -13,7 +13,7 @@ import pytest
 
 import ringeqx as rx
 from ringeqx._cli import PROFILES, main
-from ringeqx._plan_model import headroom
+from ringeqx.tools._planner._model import headroom
 
 
 MIB = 2**20
@@ -57,36 +57,48 @@ MIB = 2**20
     ids=["attention-causal-p8", "attention-window-p2-bf16", "lm-documents-p4", "lm-documents-p8"],
 )
 def test_plan_under_budget_compiles_under_it_and_within_15_percent(kwargs):
-    unbounded = rx.plan(max_memory_usage=2**40, **kwargs)
+    unbounded = rx.tools.plan(max_memory_usage=2**40, **kwargs)
     # A budget just above the preferred plan's prediction and the model's headroom.
     budget = int(unbounded.memory.total * (1 + headroom(unbounded.kind)) * 1.01)
-    planned = rx.plan(max_memory_usage=budget, **kwargs)
+    planned = rx.tools.plan(max_memory_usage=budget, **kwargs)
     assert planned.memory.total * (1 + headroom(planned.kind)) <= budget
-    measured = rx.measure_memory(planned)
+    measured = rx.tools.measure_memory(planned)
     assert measured["total"] == measured["arguments"] + measured["outputs"] + measured["temp"]
     assert measured["total"] <= budget
     assert abs(planned.memory.total / measured["total"] - 1) <= 0.15
 
 
 def test_breakdown_adds_up_and_lm_counts_parameters():
-    p = rx.plan(8192, 4, heads=4, dim=128, num_layers=2, vocab_size=512, max_memory_usage=2**40)
+    p = rx.tools.plan(
+        8192, 4, heads=4, dim=128, num_layers=2, vocab_size=512, max_memory_usage=2**40
+    )
     m = p.memory
     parts = p.to_dict()["memory"]
     assert m.total == parts.pop("total") == sum(parts.values())
     assert min(parts.values()) >= 0
-    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    model = p.model(key=jax.random.key(0))
     params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.Array))
     # Parameters in and out and their gradients, less what XLA reuses; Adam's two
     # moments in and out.
     assert m.parameters >= 4 * params
     assert m.optimizer_state == 4 * 4 * params
-    attention = rx.plan(8192, 4, heads=4, head_dim=32, max_memory_usage=2**40).memory
+    attention = rx.tools.plan(8192, 4, heads=4, head_dim=32, max_memory_usage=2**40).memory
     assert attention.parameters == attention.optimizer_state == 0
+
+
+def test_from_plan_is_a_deprecated_alias_of_plan_model():
+    p = rx.tools.plan(4096, 4, heads=2, dim=32, num_layers=1, vocab_size=64, max_memory_usage=2**40)
+    with pytest.warns(DeprecationWarning, match=r"plan\.model\(key=\.\.\.\)"):
+        old = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    new = p.model(key=jax.random.key(0))
+    assert jax.tree.structure(old) == jax.tree.structure(new)
+    assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
 
 
 def test_suggested_strategy_follows_the_mask():
     def strategy(mask):
-        return rx.plan(4096, 4, heads=2, head_dim=16, mask=mask, max_memory_usage=2**40).strategy
+        p = rx.tools.plan(4096, 4, heads=2, head_dim=16, mask=mask, max_memory_usage=2**40)
+        return p.strategy
 
     assert isinstance(strategy(rx.Causal()), rx.Zigzag)
     assert isinstance(strategy(rx.Causal() & rx.Document()), rx.WorkBalanced)
@@ -99,10 +111,10 @@ def test_tighter_budget_gives_smaller_tiles():
     # (4 layers of width 256 at 32K tokens on 8 devices: 648.3 MiB for every pair of
     # tiles 64-512 and remat none or block; benchmarks/RESULTS.md), and the model says so.
     kwargs = dict(heads=8, kv_heads=2, head_dim=64)
-    roomy = rx.plan(32768, 8, max_memory_usage=2**40, **kwargs)
+    roomy = rx.tools.plan(32768, 8, max_memory_usage=2**40, **kwargs)
     assert (roomy.remat, roomy.block_q) == ("none", 256)
     needs = int(roomy.memory.total * (1 + headroom("attention")))
-    tight = rx.plan(32768, 8, max_memory_usage=needs - 1, **kwargs)
+    tight = rx.tools.plan(32768, 8, max_memory_usage=needs - 1, **kwargs)
     assert (tight.remat, tight.block_q) != ("none", 256)
     assert tight.memory.total < roomy.memory.total
     assert tight.forward_tiles == tight.backward_tiles == (tight.block_q, tight.block_kv)
@@ -110,44 +122,46 @@ def test_tighter_budget_gives_smaller_tiles():
 
 def test_nothing_fits_says_how_many_devices_would():
     kwargs = dict(heads=4, head_dim=64)
-    need = rx.plan(65536, 8, max_memory_usage=2**40, **kwargs).memory.total
+    need = rx.tools.plan(65536, 8, max_memory_usage=2**40, **kwargs).memory.total
     with pytest.raises(ValueError, match=r"Nothing fits .* It fits on num_devices=16"):
-        rx.plan(65536, 8, max_memory_usage=int(need * 0.7), **kwargs)
+        rx.tools.plan(65536, 8, max_memory_usage=int(need * 0.7), **kwargs)
     with pytest.raises(ValueError, match="parameters and optimizer state alone"):
-        rx.plan(4096, 8, heads=4, dim=512, num_layers=8, vocab_size=32000, max_memory_usage=MIB)
+        rx.tools.plan(
+            4096, 8, heads=4, dim=512, num_layers=8, vocab_size=32000, max_memory_usage=MIB
+        )
 
 
 def test_argument_errors():
     with pytest.raises(ValueError, match="has no memory size: pass `max_memory_usage`"):
-        rx.plan(4096, 8, heads=4, head_dim=64)
+        rx.tools.plan(4096, 8, heads=4, head_dim=64)
     with pytest.raises(ValueError, match="`device` must be 'cpu' or one of"):
-        rx.plan(4096, 8, heads=4, head_dim=64, device="abacus")
+        rx.tools.plan(4096, 8, heads=4, head_dim=64, device="abacus")
     with pytest.raises(ValueError, match="`heads` must be a multiple of `kv_heads`"):
-        rx.plan(4096, 8, heads=4, kv_heads=3, head_dim=64, max_memory_usage=2**30)
+        rx.tools.plan(4096, 8, heads=4, kv_heads=3, head_dim=64, max_memory_usage=2**30)
     with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):
-        rx.plan(4096, 8, heads=4, dim=64, num_layers=2, max_memory_usage=2**30)
+        rx.tools.plan(4096, 8, heads=4, dim=64, num_layers=2, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`head_dim` is required"):
-        rx.plan(4096, 8, heads=4, max_memory_usage=2**30)
+        rx.tools.plan(4096, 8, heads=4, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`seq_len` must be an integer >= 1"):
-        rx.plan(0, 8, heads=4, head_dim=64, max_memory_usage=2**30)
+        rx.tools.plan(0, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     # A Literal argument: beartype (in the tests) or the planner itself rejects it.
     with pytest.raises((ValueError, TypeError), match="remat"):
-        rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="all")
+        rx.tools.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="all")
     with pytest.raises(ValueError, match="needs an LM plan"):
-        rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="block")
-    attention = rx.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30)
+        rx.tools.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30, remat="block")
+    attention = rx.tools.plan(4096, 8, heads=4, head_dim=64, max_memory_usage=2**30)
     with pytest.raises(ValueError, match="`plan` must be an LM plan"):
-        rx.nn.RingTransformerLM.from_plan(attention, key=jax.random.key(0))
+        attention.model(key=jax.random.key(0))
     with pytest.raises((ValueError, TypeError), match="checkpoint"):
         rx.nn.RingTransformerLM(16, 8, 2, 1, checkpoint="most", key=jax.random.key(0))
 
 
 def test_profile_memory_is_the_default_budget():
-    p = rx.plan(
+    p = rx.tools.plan(
         1 << 18, 8, heads=4, kv_heads=2, dim=128, num_layers=2, vocab_size=256, device="h100"
     )
-    assert p.max_memory_usage == rx.HARDWARE["h100"].memory == 80 * 2**30
-    model = rx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    assert p.max_memory_usage == rx.tools.HARDWARE["h100"].memory == 80 * 2**30
+    model = p.model(key=jax.random.key(0))
     assert model.checkpoint == p.remat
     assert model.blocks[0].attention.kernel == p.kernel()
     assert model.blocks[0].attention.mask == p.mask
@@ -157,49 +171,50 @@ def test_tpu_budgets_are_what_the_runtime_allows():
     # A real v5e chip lets a program have 15.75 GiB of its published 16 (memory_stats'
     # bytes_limit, libtpu's "available HBM"); v6e 31.25 of 32. The profiles hold those.
     kw = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
-    v5e = rx.plan(65536, 4, device="tpu-v5e", **kw)
-    assert v5e.max_memory_usage == 16_909_336_064 == rx.HARDWARE["tpu-v5e"].memory < 16 * 2**30
-    v6e = rx.plan(65536, 4, device="tpu-v6e", **kw)
-    assert v6e.max_memory_usage == rx.HARDWARE["tpu-v6e"].memory
+    v5e = rx.tools.plan(65536, 4, device="tpu-v5e", **kw)
+    v5e_memory = rx.tools.HARDWARE["tpu-v5e"].memory
+    assert v5e.max_memory_usage == 16_909_336_064 == v5e_memory < 16 * 2**30
+    v6e = rx.tools.plan(65536, 4, device="tpu-v6e", **kw)
+    assert v6e.max_memory_usage == rx.tools.HARDWARE["tpu-v6e"].memory
     assert 31.24 * 2**30 < v6e.max_memory_usage < 31.25 * 2**30 < 32 * 2**30
-    assert rx.plan(65536, 4, device="tpu-v5p", **kw).max_memory_usage == 95 * 2**30
+    assert rx.tools.plan(65536, 4, device="tpu-v5p", **kw).max_memory_usage == 95 * 2**30
 
 
 def test_uncalibrated_regime_is_refused_not_guessed(monkeypatch):
     # With no counts for its regime the model would predict the arguments and outputs
     # alone (a 1-chip TPU ring so predicted was 2.7x under its compiled bytes): refused.
-    from ringeqx._plan_constants import ATTENTION, LM
+    from ringeqx.tools._planner._constants import ATTENTION, LM
 
     kw = dict(heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
-    assert rx.plan(65536, 1, device="tpu-v5p", **kw).memory.attention > 0
+    assert rx.tools.plan(65536, 1, device="tpu-v5p", **kw).memory.attention > 0
     monkeypatch.delitem(ATTENTION["tpu"], "p1-f16")
     with pytest.raises(ValueError, match=r"no calibration for 'p1-f16' programs on 'tpu'.*target="):
-        rx.plan(65536, 1, device="tpu-v5p", **kw)
+        rx.tools.plan(65536, 1, device="tpu-v5p", **kw)
     lm = dict(heads=8, kv_heads=2, dim=512, num_layers=2, vocab_size=4096)
-    assert rx.plan(16384, 4, device="h100", remat="block", **lm).remat == "block"
+    assert rx.tools.plan(16384, 4, device="h100", remat="block", **lm).remat == "block"
     monkeypatch.delitem(LM["gpu"], "lm-block")
     with pytest.raises(ValueError, match=r"no calibration for 'lm-block' programs on 'gpu'"):
-        rx.plan(16384, 4, device="h100", remat="block", **lm)
+        rx.tools.plan(16384, 4, device="h100", remat="block", **lm)
     # Asking for any remat tries each, so a missing one is refused too.
     with pytest.raises(ValueError, match=r"'lm-block'"):
-        rx.plan(16384, 4, device="h100", **lm)
+        rx.tools.plan(16384, 4, device="h100", **lm)
 
 
 def test_lm_wider_than_the_fit_is_refused_not_extrapolated():
     # On accelerators the LM terms were fitted on widths up to 8192 (MLPs up to 45056);
     # 12288-wide steps compiled to up to 30% more than the terms say (an H100's headroom
     # is 26%), so the analytic planner refuses them and names the argument and the limit.
-    from ringeqx._plan_constants import WIDTHS
+    from ringeqx.tools._planner._constants import WIDTHS
 
     assert WIDTHS["tpu"]["dim"] == WIDTHS["gpu"]["dim"] == 8192
     lm = dict(heads=64, kv_heads=8, num_layers=2, vocab_size=32768)
-    assert rx.plan(8192, 8, device="h100", dim=8192, hidden=43008, **lm).memory.total > 0
+    assert rx.tools.plan(8192, 8, device="h100", dim=8192, hidden=43008, **lm).memory.total > 0
     lm["heads"] = 96  # Mistral-Large-2's: heads of 128
     for device in ("h100", "tpu-v5p"):
         with pytest.raises(ValueError, match=r"`dim`=12288 is wider .*at most 8192.*target="):
-            rx.plan(8192, 8, device=device, dim=12288, hidden=43008, **lm)
+            rx.tools.plan(8192, 8, device=device, dim=12288, hidden=43008, **lm)
     with pytest.raises(ValueError, match=r"`hidden`=57344 is wider .*at most 45056"):
-        rx.plan(8192, 8, device="tpu-v5p", dim=8192, hidden=57344, heads=64, num_layers=2,
+        rx.tools.plan(8192, 8, device="tpu-v5p", dim=8192, hidden=57344, heads=64, num_layers=2,
                 kv_heads=8, vocab_size=32768)  # fmt: skip
     # The CPU's model has no such bound (its own fit, `plan_grid.py`).
     assert "cpu" not in WIDTHS
@@ -212,9 +227,9 @@ def test_head_dim_the_platform_kernel_lacks_is_a_clear_error():
     for device, expected in (("h100", "a power of two from 16 to 256"),
                              ("tpu-v5p", "64 or a multiple of 128")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"`head_dim`=192 .* expected {expected}"):
-            rx.plan(8192, 8, device=device, **lm)
+            rx.tools.plan(8192, 8, device=device, **lm)
     with pytest.raises(ValueError, match=r"`head_dim`=96 .*PallasTpuKernel"):
-        rx.plan(65536, 8, device="tpu-v5p", heads=8, kv_heads=2, head_dim=96)
+        rx.tools.plan(65536, 8, device="tpu-v5p", heads=8, kv_heads=2, head_dim=96)
 
 
 def test_one_chip_lm_is_its_own_regime():
@@ -223,16 +238,16 @@ def test_one_chip_lm_is_its_own_regime():
     # which libtpu refused (15.91G of temporaries on a 15.75G chip). One chip has its own
     # counts (`-p1`), and the analytic longest contexts compile inside the budget
     # (benchmarks/RESULTS.md).
-    from ringeqx._plan import plan_problem
-    from ringeqx._plan_model import lm_regime
+    from ringeqx.tools._planner._analytic import plan_problem
+    from ringeqx.tools._planner._model import lm_regime
 
     lm = dict(heads=16, kv_heads=8, dim=2048, num_layers=4, vocab_size=32000, hidden=5632)
-    one = rx.plan(26624, 1, device="tpu-v5e", remat="attention", **lm)
-    ring = rx.plan(4 * 8192, 4, device="tpu-v5e", remat="attention", **lm)
+    one = rx.tools.plan(26624, 1, device="tpu-v5e", remat="attention", **lm)
+    ring = rx.tools.plan(4 * 8192, 4, device="tpu-v5e", remat="attention", **lm)
     assert lm_regime(plan_problem(one)) == "lm-attention-p1"
     assert lm_regime(plan_problem(ring)) == "lm-attention"
     with pytest.raises(ValueError, match=r"Nothing fits .* seq_len=36864 on num_devices=1"):
-        rx.plan(36864, 1, device="tpu-v5e", remat="attention", **lm)
+        rx.tools.plan(36864, 1, device="tpu-v5e", remat="attention", **lm)
 
 
 def test_tpu_attention_steps_where_libtpu_does():
@@ -244,7 +259,7 @@ def test_tpu_attention_steps_where_libtpu_does():
 
     def step(device, head_dim):
         before, after = (
-            rx.plan(8 * n, 8, device=device, head_dim=head_dim, **kw).memory.total / n
+            rx.tools.plan(8 * n, 8, device=device, head_dim=head_dim, **kw).memory.total / n
             for n in (22528, 23552)
         )
         return after / before
@@ -264,7 +279,7 @@ def test_long_rings_gather_the_head_weight_not_the_sequence():
               hidden=21504, scan_layers=True)  # fmt: skip
     for device in ("tpu-v5p", "h100"):
         per_chip = [
-            rx.plan(8192 * p, p, device=device, remat="block", max_memory_usage=2**40, **lm)
+            rx.tools.plan(8192 * p, p, device=device, remat="block", max_memory_usage=2**40, **lm)
             .memory.total
             for p in (8, 16, 64)
         ]
@@ -343,7 +358,7 @@ def test_cli_plan_defaults_and_argument_errors(capsys):
 
 
 def test_cli_profiles_are_the_hardware_profiles():
-    assert set(PROFILES) == set(rx.HARDWARE)
+    assert set(PROFILES) == set(rx.tools.HARDWARE)
 
 
 def test_target_plans_are_checked_before_compiling(capsys):
@@ -356,13 +371,13 @@ def test_target_plans_are_checked_before_compiling(capsys):
         ("h100:0", r"`target` must be .* got 'h100:0'"),
     ]:
         with pytest.raises(ValueError, match=match):
-            rx.plan(1024, 4, heads=2, head_dim=64, target=target)
+            rx.tools.plan(1024, 4, heads=2, head_dim=64, target=target)
     with pytest.raises(ValueError, match=r"must be the 64 chips of `target` 'v5p:4x4x4'; got 8"):
-        rx.plan(1024, 8, heads=2, head_dim=64, target="v5p:4x4x4")
+        rx.tools.plan(1024, 8, heads=2, head_dim=64, target="v5p:4x4x4")
     with pytest.raises(ValueError, match=r"`device` must be 'h100' \(the profile of `target`"):
-        rx.plan(1024, 8, heads=2, head_dim=64, target="h100:8", device="tpu-v5p")
+        rx.tools.plan(1024, 8, heads=2, head_dim=64, target="h100:8", device="tpu-v5p")
     with pytest.raises(ValueError, match=r"`batch_devices` must divide the 4 chips"):
-        rx.longest_context("v5e:2x2", heads=2, head_dim=64, batch_devices=3)
+        rx.tools.longest_context("v5e:2x2", heads=2, head_dim=64, batch_devices=3)
     for argv, match in [
         (["--longest"], r"argument --longest: needs --target"),
         (["--scan-layers"], r"argument --scan-layers: needs --dim"),
@@ -390,7 +405,7 @@ def test_accelerator_profiles_plan_their_compilers_program():
     # compiler (benchmarks/plan_target_grid.py).
     import equinox as eqx
 
-    from ringeqx._plan_constants import ATTENTION, HEADROOM, LM
+    from ringeqx.tools._planner._constants import ATTENTION, HEADROOM, LM
 
     remats = ("none", "attention", "block")
     for family, device in (("tpu", "tpu-v5p"), ("gpu", "h100")):
@@ -403,16 +418,16 @@ def test_accelerator_profiles_plan_their_compilers_program():
         assert 0 < HEADROOM[family]["lm"] < 0.5
         assert headroom("lm", device) == HEADROOM[family]["lm"]
     kw = dict(heads=8, kv_heads=2, dim=512, num_layers=2, vocab_size=4096, batch=2)
-    cpu = rx.plan(16384, 4, batch_devices=2, max_memory_usage=2**40, **kw)
-    tpu = rx.plan(16384, 4, batch_devices=2, device="tpu-v5p", **kw)
-    gpu = rx.plan(16384, 4, batch_devices=2, device="h100", **kw)
+    cpu = rx.tools.plan(16384, 4, batch_devices=2, max_memory_usage=2**40, **kw)
+    tpu = rx.tools.plan(16384, 4, batch_devices=2, device="tpu-v5p", **kw)
+    gpu = rx.tools.plan(16384, 4, batch_devices=2, device="h100", **kw)
     assert cpu.kernel() == rx.XlaKernel(cpu.block_q, cpu.block_kv)
     assert tpu.kernel() == gpu.kernel() == "auto"
     pallas = rx.PallasTpuKernel()
     assert (tpu.block_q, tpu.block_kv) == (pallas.block_q, pallas.block_kv)
 
     def build():
-        return rx.nn.RingTransformerLM.from_plan(cpu, key=jax.random.key(0))
+        return cpu.model(key=jax.random.key(0))
 
     model = eqx.filter_eval_shape(build)
     params = sum(x.size for x in jax.tree.leaves(model) if isinstance(x, jax.ShapeDtypeStruct))
@@ -421,8 +436,8 @@ def test_accelerator_profiles_plan_their_compilers_program():
         assert p.memory.optimizer_state == 2 * 4 * -(-params // 8)
         assert p.memory.total != cpu.memory.total
     # Scanned layers: their own regime on accelerators, and the model the plan builds.
-    scanned = rx.plan(16384, 4, batch_devices=2, device="tpu-v5p", scan_layers=True, **kw)
+    scanned = rx.tools.plan(16384, 4, batch_devices=2, device="tpu-v5p", scan_layers=True, **kw)
     assert scanned.scan_layers and scanned.memory != tpu.memory
-    assert rx.nn.RingTransformerLM.from_plan(scanned, key=jax.random.key(0)).scan_layers
+    assert scanned.model(key=jax.random.key(0)).scan_layers
     with pytest.raises(ValueError, match="`scan_layers=True` needs an LM plan"):
-        rx.plan(4096, 4, heads=2, head_dim=8, max_memory_usage=2**30, scan_layers=True)
+        rx.tools.plan(4096, 4, heads=2, head_dim=8, max_memory_usage=2**30, scan_layers=True)

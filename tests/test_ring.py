@@ -176,9 +176,9 @@ def test_compression_dtype_sends_bf16_and_stays_close():
     assert_close(f(q, k, v), rx.reference_attention(q, k, v, mask=rx.Causal()), 0, 2e-2)
     # The communication report counts the halved payload: K/V bytes drop to one half, the
     # int32 token records travel unchanged.
-    _, sent, trips = rx.permute_stats(hlo)
+    _, sent, trips = rx.tools.permute_stats(hlo)
     plain = _ring(m, mask=rx.Causal()).lower(q, k, v).compile().as_text()
-    _, sent_plain, trips_plain = rx.permute_stats(plain)
+    _, sent_plain, trips_plain = rx.tools.permute_stats(plain)
     assert trips == trips_plain and 0 < sent < 0.75 * sent_plain
 
 

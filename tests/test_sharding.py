@@ -24,7 +24,7 @@ from helpers import assert_close, mesh, packed_segments, qkv, ring_loop_trips
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ringeqx as rx
-from ringeqx._profile import collectives
+from ringeqx.tools._hlo._parse import collectives
 
 
 SHAPE = dict(heads=4, kv_heads=2, head_dim=6)
@@ -78,7 +78,7 @@ def test_attention_stays_sharded(mask):
     steps_l = rx.num_ring_steps(mask, layout)
     if isinstance(mask, rx.SlidingWindow):
         assert steps < 8  # the contiguous default path stops early
-    _, _, trips = rx.permute_stats(hlo)
+    _, _, trips = rx.tools.permute_stats(hlo)
     assert sorted(trips) == sorted(ring_loop_trips(steps) + ring_loop_trips(steps_l))
     sharding = args[0].sharding
     for s in jax.tree.leaves(compiled.output_shardings):
@@ -124,7 +124,7 @@ def test_lm_training_step_gathers_nothing():
         shapes = set(re.findall(r"\w+\[[\d,]*\]", result))
         assert shapes <= params, (shapes - params)
     steps = rx.num_ring_steps(rx.SlidingWindow(10), rx.Uniform().layout(SEQ, 8))
-    _, _, trips = rx.permute_stats(hlo)
+    _, _, trips = rx.tools.permute_stats(hlo)
     assert sorted(trips) == sorted(ring_loop_trips(steps) * 2)
 
     loss, grads = step(model, tokens, labels)

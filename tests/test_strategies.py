@@ -256,7 +256,7 @@ def test_custom_strategy_edges_at_special_tokens():
 def test_schedule_counts_match_the_ring():
     # Uniform, causal, 4 shards of 4: at step s device i sees shard i - s.
     layout = rx.Uniform().layout(16, 4)
-    s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
+    s = rx.tools.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
     full, diag = 16, 10
     expected = np.array(
         [[diag] * 4, [0, full, full, full], [0, 0, full, full], [0, 0, 0, full]], np.float32
@@ -267,8 +267,9 @@ def test_schedule_counts_match_the_ring():
     np.testing.assert_array_equal(s.tiles_run + s.tiles_skipped, np.full((4, 4), 2))
     assert int(s.critical_path) == 8 and int(s.total_tiles) == 20
     assert float(s.imbalance) == pytest.approx((10 + 3 * 16) / (10 + (3 + 2 + 1) * 16 / 4))
-    # A method of every strategy, too.
-    method = rx.Uniform().schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
+    # A method of every strategy, too (deprecated: a schedule is a tool).
+    with pytest.warns(DeprecationWarning, match="ringeqx.tools.schedule"):
+        method = rx.Uniform().schedule(layout, rx.Causal(), kernel=rx.XlaKernel(2, 4))
     np.testing.assert_array_equal(method.pairs, s.pairs)
 
 
@@ -276,7 +277,7 @@ def test_schedule_counts_match_the_ring():
 def test_schedule_pairs_sum_to_the_dense_count(factory):
     layout = factory(SEQ).layout(SEQ, 4, segment_ids=SEG)
     mask = rx.Causal() & rx.Document()
-    s = rx.schedule(layout, mask, kernel=rx.XlaKernel(3, 2))
+    s = rx.tools.schedule(layout, mask, kernel=rx.XlaKernel(3, 2))
     seg = np.asarray(SEG)
     t = np.arange(SEQ)
     dense = ((t[:, None] >= t[None, :]) & (seg[:, None] == seg[None, :])).sum()
@@ -292,7 +293,9 @@ def test_schedule_pairs_sum_to_the_dense_count(factory):
 def test_zigzag_balances_causal_attention_on_8_devices():
     mask = rx.Causal()
     ratio = {
-        name: float(rx.schedule(s.layout(1000, 8), mask, kernel=rx.XlaKernel(32, 32)).imbalance)
+        name: float(
+            rx.tools.schedule(s.layout(1000, 8), mask, kernel=rx.XlaKernel(32, 32)).imbalance
+        )
         for name, s in [
             ("uniform", rx.Uniform()),
             ("zigzag", rx.Zigzag()),
@@ -312,7 +315,7 @@ def test_work_balanced_beats_zigzag_on_long_tailed_documents():
 
     def run(strategy):
         layout = strategy.layout(seq, 8, segment_ids=seg)
-        return rx.schedule(layout, mask, kernel=rx.XlaKernel(block, block))
+        return rx.tools.schedule(layout, mask, kernel=rx.XlaKernel(block, block))
 
     uniform, zigzag = run(rx.Uniform()), run(rx.Zigzag())
     balanced = run(rx.WorkBalanced(chunk=block))
@@ -329,7 +332,7 @@ def test_schedule_reads_the_kernels_tiles():
     layout = rx.Uniform().layout(128, 4)  # shards of 32 tokens
 
     def tiles(**kernel):
-        s = rx.schedule(layout, rx.Full(), **kernel)
+        s = rx.tools.schedule(layout, rx.Full(), **kernel)
         per_pair = np.asarray(s.tiles_run + s.tiles_skipped)
         assert np.all(per_pair == per_pair[0, 0])
         return int(per_pair[0, 0])
@@ -342,9 +345,9 @@ def test_schedule_reads_the_kernels_tiles():
     assert tiles(kernel=rx.PallasTpuKernel()) == 1
     # The annotation (under the test hook) or select_kernel's own check.
     with pytest.raises((TypeError, ValueError), match="kernel"):
-        rx.schedule(layout, rx.Causal(), kernel="bogus")
+        rx.tools.schedule(layout, rx.Causal(), kernel="bogus")
     with pytest.raises(ValueError, match="kernel='pallas_tpu' needs device_type='tpu'"):
-        rx.schedule(layout, rx.Causal(), kernel="pallas_tpu")
+        rx.tools.schedule(layout, rx.Causal(), kernel="pallas_tpu")
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,20 +455,20 @@ def test_layers_with_their_own_kernels_share_one_layout():
 
 def test_plots_draw_layouts_and_schedules():
     layout = rx.Zigzag().layout(SEQ, 4, segment_ids=SEG)
-    ax = rx.plot_layout(layout, color_by="segment")
+    ax = rx.tools.plot_layout(layout, color_by="segment")
     assert ax.images[0].get_array().shape == (4, layout.capacity)
     assert ax.images[0].get_array().mask.sum() == layout.sharded_len - SEQ
-    s = rx.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(4, 4))
-    ax = rx.plot_schedule(s, what="tiles")
+    s = rx.tools.schedule(layout, rx.Causal(), kernel=rx.XlaKernel(4, 4))
+    ax = rx.tools.plot_schedule(s, what="tiles")
     np.testing.assert_array_equal(ax.images[0].get_array(), s.tiles_run)
     assert "imbalance" in ax.get_title()
     with pytest.raises(ValueError, match="`color_by` must be 'position', 'segment' or 'span'"):
-        rx.plot_layout(layout, color_by="device")
+        rx.tools.plot_layout(layout, color_by="device")
     with pytest.raises(ValueError, match="`what` must be 'pairs' or 'tiles'; got 'flops'"):
-        rx.plot_schedule(s, what="flops")
+        rx.tools.plot_schedule(s, what="flops")
     batched = rx.Uniform().layout(SEQ, 4, segment_ids=jnp.stack([SEG, SEG]))
     with pytest.raises(ValueError, match="plot_layout draws one example"):
-        rx.plot_layout(batched)
+        rx.tools.plot_layout(batched)
 
 
 # ---------------------------------------------------------------------------------------

@@ -5,14 +5,14 @@ names and sizes are clear errors. The meshes themselves are compiled for in `aot
 import pytest
 
 import ringeqx as rx
-from ringeqx._targets import GPUS, gpu_target_config
+from ringeqx.tools._targets import GPUS, gpu_target_config
 
 
 def test_missing_compilers_name_their_package():
     with pytest.raises(ImportError, match=r"needs jax\[tpu\] \(pip install 'jax\[tpu\]=="):
-        rx.target_mesh("v5p", "2x2x1")
+        rx.tools.target_mesh("v5p", "2x2x1")
     with pytest.raises(ImportError, match=r"needs jax\[cuda12\]"):
-        rx.target_mesh("h100", 8)
+        rx.tools.target_mesh("h100", 8)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_missing_compilers_name_their_package():
 )
 def test_bad_targets_are_clear_errors(args, match):
     with pytest.raises(ValueError, match=match):
-        rx.target_mesh(*args)
+        rx.tools.target_mesh(*args)
 
 
 def test_gpu_target_configs_carry_the_published_figures():

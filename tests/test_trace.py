@@ -23,7 +23,7 @@ def test_profile_program_dumps_traces_and_attributes_collectives(tmp_path):
         return rx.ring_attention(q, k, v, mask=mask, mesh=mesh)
 
     dump, trace = str(tmp_path / "dump"), str(tmp_path / "trace")
-    profile = rx.profile_program(
+    profile = rx.tools.profile_program(
         attend, q, k, v, dump_dir=dump, trace_dir=trace, repeats=2, mask=rx.Causal()
     )
     after = glob.glob(os.path.join(dump, "*after_optimizations.txt"))
@@ -32,7 +32,7 @@ def test_profile_program_dumps_traces_and_attributes_collectives(tmp_path):
     assert profile.trace_file.startswith(trace) and profile.dump_dir == dump
 
     # Every collective-permute the HLO executes per device, once on each of 8 devices.
-    per_device = rx.permute_stats(profile.hlo)[0]
+    per_device = rx.tools.permute_stats(profile.hlo)[0]
     assert per_device > 0
     assert profile.collective_count == {"collective-permute": 8 * per_device}
     assert profile.collective["collective-permute"] > 0
@@ -48,7 +48,7 @@ def test_profile_program_dumps_traces_and_attributes_collectives(tmp_path):
     assert 0 < profile.wall and profile.repeats == 2
     assert "collective: collective-permute" in str(profile)
     with pytest.raises(ValueError, match="`repeats` must be a positive integer; got 0"):
-        rx.profile_program(attend, q, k, v, repeats=0, mask=rx.Causal())
+        rx.tools.profile_program(attend, q, k, v, repeats=0, mask=rx.Causal())
 
 
 def test_cli_report_profile(tmp_path):
@@ -83,7 +83,7 @@ def test_profile_program_folder_errors_leave_the_profiler_usable(tmp_path):
             match=f"`{name}` must be a folder that files can be written to; got "
             f"{re.escape(repr(path))}",
         ):
-            rx.profile_program(lambda x: x @ x, x, repeats=1, **{name: path})
+            rx.tools.profile_program(lambda x: x @ x, x, repeats=1, **{name: path})
     trace = str(tmp_path / "trace")
-    profile = rx.profile_program(lambda x: x @ x, x, repeats=1, trace_dir=trace)
+    profile = rx.tools.profile_program(lambda x: x @ x, x, repeats=1, trace_dir=trace)
     assert profile.trace_file.startswith(trace)

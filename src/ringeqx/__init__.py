@@ -1,8 +1,15 @@
-"""ringeqx: exact ring attention for JAX, as typed, immutable Equinox modules."""
+"""ringeqx: exact ring attention for JAX, as typed, immutable Equinox modules.
+
+The core (`ring_attention`, masks, score modifiers, layouts, strategies, kernels,
+inference) is exported here, the layers as `ringeqx.nn`, and the tools that answer
+questions about programs (planning, targets, HLO readers, schedules, plots) as
+`ringeqx.tools`.
+"""
 
 import importlib.metadata
+import warnings
 
-from . import nn as nn
+from . import nn as nn, tools as tools
 from ._call import ring_attention as ring_attention
 from ._comm import AllGather as AllGather, RingConfig as RingConfig
 from ._generate import generate as generate
@@ -35,28 +42,7 @@ from ._masks import (
     SlidingWindow as SlidingWindow,
     TileLocal as TileLocal,
 )
-from ._overlap import OverlapReport as OverlapReport, ring_overlap as ring_overlap
-from ._plan import CompiledMemory as CompiledMemory, Plan as Plan, PlanOverlap as PlanOverlap
-from ._plan_check import NoFit as NoFit, measure_memory as measure_memory
-from ._plan_model import MemoryBreakdown as MemoryBreakdown
-from ._planner import (
-    ContextSearch as ContextSearch,
-    longest_context as longest_context,
-    plan as plan,
-)
-from ._plot import plot_layout as plot_layout, plot_schedule as plot_schedule
-from ._profile import permute_stats as permute_stats
 from ._reference import reference_attention as reference_attention
-from ._report import (
-    HARDWARE as HARDWARE,
-    CollectiveRow as CollectiveRow,
-    CommReport as CommReport,
-    Hardware as Hardware,
-    RingCost as RingCost,
-    comm_report as comm_report,
-    table2 as table2,
-)
-from ._schedule import Schedule as Schedule, schedule as schedule
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,
     ALiBi as ALiBi,
@@ -71,13 +57,57 @@ from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
-from ._targets import target_mesh as target_mesh
 from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
-from ._trace import (
-    ProgramProfile as ProgramProfile,
-    ThreadTime as ThreadTime,
-    profile_program as profile_program,
-)
 
 
 __version__ = importlib.metadata.version("ringeqx")
+
+
+# The tools' old top-level names, kept for one release: each warns once, then is the
+# object in `ringeqx.tools`.
+_MOVED_TO_TOOLS = frozenset(
+    {
+        "CollectiveRow",
+        "CommReport",
+        "CompiledMemory",
+        "ContextSearch",
+        "HARDWARE",
+        "Hardware",
+        "MemoryBreakdown",
+        "NoFit",
+        "OverlapReport",
+        "Plan",
+        "PlanOverlap",
+        "ProgramProfile",
+        "RingCost",
+        "Schedule",
+        "ThreadTime",
+        "comm_report",
+        "longest_context",
+        "measure_memory",
+        "permute_stats",
+        "plan",
+        "plot_layout",
+        "plot_schedule",
+        "profile_program",
+        "ring_overlap",
+        "schedule",
+        "table2",
+        "target_mesh",
+    }
+)
+_warned: set[str] = set()
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_TOOLS:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"`ringeqx.{name}` is deprecated: use `ringeqx.tools.{name}` (the tools "
+                "moved to `ringeqx.tools`; the top-level name goes in the next release).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(tools, name)
+    raise AttributeError(f"module 'ringeqx' has no attribute {name!r}")

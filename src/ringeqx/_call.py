@@ -347,7 +347,7 @@ def ring_attention(
         `"pallas_tpu"`) or a kernel object; see [`ringeqx.select_kernel`][].
     - `device_type`: `"auto"` (the platform of the mesh's devices: an H100 or TPU mesh
         gets its Pallas kernel, also a mesh of compile-only devices from
-        [`ringeqx.target_mesh`][]), `"cpu"`, `"gpu"` or `"tpu"`: picks the default
+        [`ringeqx.tools.target_mesh`][]), `"cpu"`, `"gpu"` or `"tpu"`: picks the default
         kernel and its tiles; a device type other than the mesh's is an error.
     - `interpret`: run Pallas kernels chosen by name in the Pallas interpreter (CPU
         tests).

@@ -441,7 +441,7 @@ def report(args: argparse.Namespace) -> int:
         return vjp(out)
 
     sent = config.compression_dtype or dtype
-    cost = rx.RingCost(
+    cost = rx.tools.RingCost(
         args.seq_len,
         p,
         args.heads,
@@ -455,7 +455,7 @@ def report(args: argparse.Namespace) -> int:
         f"ring attention {'forward' if args.forward_only else 'forward + backward'}, "
         f"{args.mask} mask, seq {args.seq_len} on {p} devices, {config}"
     )
-    _say(str(rx.comm_report(jax.jit(fn), q, kv, kv, mesh=mesh, cost=cost)))
+    _say(str(rx.tools.comm_report(jax.jit(fn), q, kv, kv, mesh=mesh, cost=cost)))
     if args.profile is not None:
         _profile_report(fn, q, kv, args.profile)
     return 0
@@ -473,7 +473,7 @@ def _profile_report(fn: Callable, q, kv, directory: str) -> None:
     dump, trace = os.path.join(directory, "dump"), os.path.join(directory, "trace")
     _say("")
     _say(f"profile (XLA dump in {dump}, trace in {trace}):")
-    _say(str(rx.profile_program(fn, *arrays, dump_dir=dump, trace_dir=trace)))
+    _say(str(rx.tools.profile_program(fn, *arrays, dump_dir=dump, trace_dir=trace)))
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -538,7 +538,7 @@ def generate(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-# `ringeqx.plan`'s arguments, as `ringeqx plan` spells them.
+# `ringeqx.tools.plan`'s arguments, as `ringeqx plan` spells them.
 _PLAN_FLAGS = (
     (r"max_memory_usage=([\d.,]+) MiB", r"--max-memory-mib \1"),
     (r"\bmax_memory_usage\b", "--max-memory-mib"),
@@ -551,7 +551,7 @@ _PLAN_FLAGS = (
 
 
 def _in_flags(message: str) -> str:
-    """A message of `ringeqx.plan` with its argument names replaced by the flags."""
+    """A message of `ringeqx.tools.plan` with its argument names replaced by the flags."""
     for pattern, flag in _PLAN_FLAGS:
         message = re.sub(pattern, flag, message)
     return message
@@ -589,13 +589,13 @@ def plan(args: argparse.Namespace) -> int:
     )
     try:
         if args.longest:
-            found = rx.longest_context(args.target, **problem, log=_say)
+            found = rx.tools.longest_context(args.target, **problem, log=_say)
             result = found.plan
             _say(f"longest --seq-len on {args.target}: {result.seq_len:,} tokens "
                  f"({len(found.probes)} compiles, {found.seconds:.0f} s)")
         else:
             device = {} if args.target is not None else {"device": args.profile}
-            result = rx.plan(
+            result = rx.tools.plan(
                 args.seq_len, args.devices, **problem, target=args.target, **device
             )
     except (ValueError, ImportError) as error:
@@ -637,7 +637,7 @@ def _tokens(text: str) -> int:
 
 
 def _target(text: str) -> str:
-    """A cluster `ringeqx.target_mesh` knows: `v5p:4x4x4`, `h100:8`."""
+    """A cluster `ringeqx.tools.target_mesh` knows: `v5p:4x4x4`, `h100:8`."""
     try:
         _target_chips(text)
     except ValueError as error:
@@ -716,7 +716,7 @@ def _writable_folder(flag: str, path: str) -> str | None:
     return None
 
 
-# Device profiles of `ringeqx plan --profile` (the keys of ringeqx.HARDWARE, written here
+# Device profiles of `ringeqx plan --profile` (the keys of ringeqx.tools.HARDWARE, written here
 # so that parsing imports no JAX; tests/test_cli.py checks they agree).
 PROFILES = (
     "a100-nvlink",
@@ -943,7 +943,7 @@ def _parser() -> argparse.ArgumentParser:
             help="the memory plan of ring attention or an LM training step: tiles, "
             "remat, strategy and predicted bytes per device",
             description="Plan ring attention (or, with --dim, a RingTransformerLM "
-            "training step) within a memory budget per device: ringeqx.plan, printed "
+            "training step) within a memory budget per device: ringeqx.tools.plan, printed "
             "as a table or as JSON. Nothing is compiled.",
         )
     )
@@ -1061,7 +1061,7 @@ def _transfer_misuse(args: argparse.Namespace) -> str | None:
 
 def _target_chips(target: str) -> int:
     """The chips `target` names (importing JAX, but starting no backend)."""
-    from ._plan import target_chips
+    from .tools._planner._problem import target_chips
 
     return target_chips(target)
 

@@ -1,6 +1,7 @@
 """The abstract sharding strategy."""
 
 import abc
+import warnings
 
 import equinox as eqx
 from jaxtyping import Array, Int
@@ -9,7 +10,6 @@ from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import KernelName
 from .._layout import Layout
 from .._masks import AbstractMask
-from .._schedule import Schedule, schedule
 
 
 class AbstractShardingStrategy(eqx.Module):
@@ -51,7 +51,18 @@ class AbstractShardingStrategy(eqx.Module):
         mask: AbstractMask,
         *,
         kernel: KernelName | AbstractAttentionKernel = "auto",
-    ) -> Schedule:
-        """The work per device per ring step of `layout` under `mask`: the same as
-        [`ringeqx.schedule`][] (defined once here; subclasses do not override it)."""
+    ):
+        """Deprecated: [`ringeqx.tools.schedule`][]`(layout, mask, kernel=kernel)`, which
+        this alias warns and calls; it goes in the next release (a strategy produces
+        layouts only, and a schedule is a tool)."""
+        warnings.warn(
+            "`strategy.schedule(layout, mask)` is deprecated: use "
+            "`ringeqx.tools.schedule(layout, mask)`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        # The core's one import of a tool, inside the deprecated alias and named in
+        # tests/test_architecture.py; both go with the alias.
+        from ..tools._schedule import schedule
+
         return schedule(layout, mask, kernel=kernel)

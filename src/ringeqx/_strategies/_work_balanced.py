@@ -166,7 +166,7 @@ class WorkBalanced(AbstractShardingStrategy):
     ```python
     strategy = ringeqx.WorkBalanced(chunk=128)
     layout = strategy.layout(8192, 8, segment_ids=segment_ids)
-    ringeqx.schedule(layout, ringeqx.Causal() & ringeqx.Document()).imbalance
+    ringeqx.tools.schedule(layout, ringeqx.Causal() & ringeqx.Document()).imbalance
     ```
     """
 

@@ -43,7 +43,7 @@ class Zigzag(AbstractShardingStrategy):
 
     ```python
     layout = ringeqx.Zigzag().layout(seq_len=8192, num_shards=8)
-    ringeqx.schedule(layout, ringeqx.Causal()).imbalance  # 1.0
+    ringeqx.tools.schedule(layout, ringeqx.Causal()).imbalance  # 1.0
     ```
 
     ??? cite "Zigzag ring attention (as in Megatron-LM context parallelism)"

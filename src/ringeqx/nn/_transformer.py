@@ -1,7 +1,7 @@
 """A pre-norm transformer block and a small language model on ring attention."""
 
 import warnings
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -26,7 +26,6 @@ from .._layout import Layout, contiguous_layout
 from .._masks import check_ids
 from .._mesh import keep_on_ring
 from .._numbers import check_bool, check_size
-from .._plan import Plan
 from .._tokens import TokenInfo
 from ._attention import RingAttention
 from ._options import AttentionOptions
@@ -682,35 +681,25 @@ class RingTransformerLM(eqx.Module):
         return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.sum(valid).astype(nll.dtype)
 
     @classmethod
-    def from_plan(cls, plan: Plan, *, key: PRNGKeyArray) -> "RingTransformerLM":
-        """The model a [`ringeqx.Plan`][] of kind `"lm"` describes: its sizes, its mask,
-        the kernel `plan.kernel()` names, the planned remat as `checkpoint`, and
-        `scan_layers` as planned.
+    def from_plan(cls, plan: "_ModelPlan", *, key: PRNGKeyArray) -> "RingTransformerLM":
+        """Deprecated: `plan.model(key=key)` ([`ringeqx.tools.Plan.model`][]) builds the
+        model a plan describes. This alias warns and calls it; it goes in the next release.
 
-        Shard its inputs with `plan.layout(...)` (the plan's strategy) and pass that
-        layout to `loss` / `__call__`.
-
-        **Arguments:**
-
-        - `plan`: from [`ringeqx.plan`][] with `dim`, `num_layers` and `vocab_size`.
-        - `key`: a `jax.random` key.
+        (A plan is a tool, in `ringeqx.tools`, and `ringeqx.nn` imports none of the
+        tools, so the model no longer reads plans: the plan builds the model.)
         """
-        if plan.kind != "lm":
-            raise ValueError(
-                "`plan` must be an LM plan (ringeqx.plan(..., dim=, num_layers=, "
-                f"vocab_size=)); got a plan of kind {plan.kind!r}."
-            )
-        assert plan.vocab_size and plan.dim and plan.num_layers
-        attention = AttentionOptions(mask=plan.mask, kernel=plan.kernel(), head_dim=plan.head_dim)
-        return cls(
-            plan.vocab_size,
-            plan.dim,
-            plan.heads,
-            plan.num_layers,
-            num_kv_heads=plan.kv_heads,
-            hidden=plan.hidden,
-            checkpoint=plan.remat,
-            attention=attention,
-            scan_layers=plan.scan_layers,
-            key=key,
+        warnings.warn(
+            "`RingTransformerLM.from_plan(plan, key=...)` is deprecated: use "
+            "`plan.model(key=...)`.",
+            DeprecationWarning,
+            stacklevel=2,
         )
+        return plan.model(key=key)
+
+
+@runtime_checkable
+class _ModelPlan(Protocol):
+    """What `from_plan` needs of a plan: that it builds the model (`ringeqx.tools.Plan`
+    does), named structurally so that `ringeqx.nn` imports no tool."""
+
+    def model(self, *, key: PRNGKeyArray) -> RingTransformerLM: ...

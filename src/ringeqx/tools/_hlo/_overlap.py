@@ -8,7 +8,7 @@ import re
 import equinox as eqx
 import jax
 
-from ._profile import HLO_ARRAY, called_computations, module
+from ._parse import HLO_ARRAY, called_computations, module
 
 
 # A Pallas kernel as it reaches the scheduled HLO: Mosaic on TPU, Triton on GPU.
@@ -235,7 +235,7 @@ def ring_overlap(compiled: str | jax.stages.Compiled) -> OverlapReport:
 
         ```python
         compiled = jax.jit(jax.grad(loss)).lower(q, k, v).compile()
-        report = ringeqx.ring_overlap(compiled)
+        report = ringeqx.tools.ring_overlap(compiled)
         print(report)
         assert report.all_overlap
         ```

@@ -1,4 +1,4 @@
-"""`measure_memory`: compile the program a [`ringeqx.Plan`][] describes and read its
+"""`measure_memory`: compile the program a [`ringeqx.tools.Plan`][] describes and read its
 per-device memory from XLA (`memory_analysis()`), allocating no arrays; and the search
 that plans for a target cluster with its own compiler."""
 
@@ -10,21 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from . import nn
-from ._call import ring_attention
-from ._overlap import ring_overlap
-from ._plan import (
-    CompiledMemory,
-    Plan,
-    PlanOverlap,
-    Problem,
-    Remat,
-    kernel_tiles,
-    make_plan,
-    predict,
-)
-from ._report import HARDWARE, RingCost
-from ._targets import target_mesh
+from ..._call import ring_attention
+from .._cost import RingCost
+from .._hardware import HARDWARE
+from .._hlo._overlap import ring_overlap
+from .._targets import target_mesh
+from ._analytic import kernel_tiles, predict
+from ._plan import CompiledMemory, Plan, PlanOverlap, make_plan
+from ._problem import Problem, Remat
 
 
 _GIB = 2**30
@@ -77,7 +70,7 @@ def _adam(params, grads, m, v, count):
 def _lm_program(plan: Plan, mesh: Mesh, layout):
     """The LM training step (loss, gradients, Adam) and its abstract arguments."""
     model = eqx.filter_eval_shape(
-        lambda: nn.RingTransformerLM.from_plan(plan, key=jax.random.key(0))
+        lambda: plan.model(key=jax.random.key(0))
     )
     is_param = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     params, static = eqx.partition(model, is_param)
@@ -143,7 +136,7 @@ def measure_memory(plan: Plan) -> dict[str, int]:
 
     The program is the one the plan's prediction is for: for an attention plan, ring
     attention's forward and backward (`q, k, v, d_out -> out, (dq, dk, dv)`); for an LM
-    plan, a training step of [`ringeqx.nn.RingTransformerLM.from_plan`][] (loss,
+    plan, a training step of the model `plan.model(...)` builds (loss,
     gradients and one Adam update, `params, m, v, count, tokens, labels -> loss, (params,
     m, v, count)`, nothing donated). Inputs are `jax.ShapeDtypeStruct`s sharded
     `P("batch", "sequence")` in the layout order of the plan's strategy, so nothing is
@@ -260,7 +253,7 @@ def _check_state(cfg: Problem, plan: Plan) -> None:
 
 def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Plan:
     """The first of `remats` whose program, compiled for `target`, fits the budget
-    (`ringeqx.plan(..., target=...)`); a ValueError with every compiled size when none
+    (`ringeqx.tools.plan(..., target=...)`); a ValueError with every compiled size when none
     does (before any compile when an LM's parameters and Adam state alone do not fit)."""
     tiles = kernel_tiles(cfg)
     candidates = [
@@ -306,7 +299,7 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
 
 
 class NoFit(ValueError):
-    """Nothing fits the budget on the target: what [`ringeqx.plan`][]`(...,
+    """Nothing fits the budget on the target: what [`ringeqx.tools.plan`][]`(...,
     target=...)` raises, a `ValueError` whose message lists what each candidate
     compiled to.
 

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ._kernels._base import AbstractAttentionKernel
-from ._kernels._pallas_gpu import PallasGpuKernel
-from ._kernels._select import KernelName, select_kernel
-from ._kernels._tiling import tile_info
-from ._layout import Layout
-from ._masks import AbstractMask, block_rule
-from ._steps import ring_window
-from ._tokens import BlockSummary, TokenInfo
+from .._kernels._base import AbstractAttentionKernel
+from .._kernels._pallas_gpu import PallasGpuKernel
+from .._kernels._select import KernelName, select_kernel
+from .._kernels._tiling import tile_info
+from .._layout import Layout
+from .._masks import AbstractMask, block_rule
+from .._steps import ring_window
+from .._tokens import BlockSummary, TokenInfo
 
 
 def _ratio(work: Float[Array, "steps shards"]) -> Float[Array, ""]:
@@ -107,13 +107,13 @@ def schedule(
         A `PallasGpuKernel` whose tiles are left to its table (they depend on the
         dtype and head_dim) is counted with its forward's for bfloat16 at head_dim 128.
 
-    **Returns:** a [`ringeqx.Schedule`][]; see its `imbalance` and `critical_path`.
+    **Returns:** a [`ringeqx.tools.Schedule`][]; see its `imbalance` and `critical_path`.
 
     **Example:**
 
     ```python
     layout = ringeqx.Zigzag().layout(8192, 8)
-    s = ringeqx.schedule(layout, ringeqx.Causal(), kernel=ringeqx.PallasTpuKernel())
+    s = ringeqx.tools.schedule(layout, ringeqx.Causal(), kernel=ringeqx.PallasTpuKernel())
     print(s.imbalance, s.critical_path)
     ```
     """

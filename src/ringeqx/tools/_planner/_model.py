@@ -1,4 +1,4 @@
-"""The memory model behind `ringeqx.plan`: per-device bytes of ring attention's forward and
+"""The memory model behind `ringeqx.tools.plan`: per-device bytes of ring attention's forward and
 backward and of an LM training step, from the arrays each one holds.
 
 The model is structural: every term is the size of arrays the program really holds (the
@@ -24,7 +24,7 @@ import math
 
 import equinox as eqx
 
-from ._plan_constants import ATTENTION, HEADROOM, LM, WIDTHS
+from ._constants import ATTENTION, HEADROOM, LM, WIDTHS
 
 
 class MemoryBreakdown(eqx.Module):

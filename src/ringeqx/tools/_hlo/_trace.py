@@ -16,8 +16,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ._profile import COLLECTIVES
-from ._timing import median_seconds
+from ..._timing import median_seconds
+from ._parse import COLLECTIVES
 
 
 # The op kinds of compute, in the order they are tried on an op's (fused) HLO text.
@@ -138,7 +138,7 @@ def op_times(path: str) -> tuple[collections.Counter, collections.Counter]:
 
 class ThreadTime(eqx.Module):
     """Seconds per call on one host thread that ran device programs (see
-    [`ringeqx.ProgramProfile`][])."""
+    [`ringeqx.tools.ProgramProfile`][])."""
 
     thread: str
     total: float
@@ -148,7 +148,7 @@ class ThreadTime(eqx.Module):
 
 
 class ProgramProfile(eqx.Module):
-    """Where one compiled program's time went (see [`ringeqx.profile_program`][]).
+    """Where one compiled program's time went (see [`ringeqx.tools.profile_program`][]).
 
     Every time is in seconds per call, summed over the threads that ran the devices'
     programs, except `wall`. `collective` and `compute` map an op kind to its time;
@@ -249,7 +249,7 @@ def _thread_times(events: list[dict], kinds: dict[str, str], opcodes: dict[str, 
 
 def summarize_trace(path: str, hlo: str, repeats: int) -> dict[str, Any]:
     """Read a trace file of `repeats` calls of the program whose HLO is `hlo`: the
-    fields of a [`ringeqx.ProgramProfile`][] that come from the trace, per call."""
+    fields of a [`ringeqx.tools.ProgramProfile`][] that come from the trace, per call."""
     kinds, opcodes, _ = op_kinds(hlo)
     events, names = trace_events(path)
     by_thread = collections.defaultdict(list)
@@ -354,12 +354,12 @@ def profile_program(
     - `repeats`: the timed and the traced calls.
     - `compiler_options`: more per-compile XLA options, merged over the dump options.
 
-    **Returns:** a [`ringeqx.ProgramProfile`][]; `print` it for a table.
+    **Returns:** a [`ringeqx.tools.ProgramProfile`][]; `print` it for a table.
 
     **Example:**
 
     ```python
-    profile = ringeqx.profile_program(attend, q, k, v, trace_dir="/tmp/ring-trace")
+    profile = ringeqx.tools.profile_program(attend, q, k, v, trace_dir="/tmp/ring-trace")
     print(profile)
     profile.collective["collective-permute"], profile.waiting
     ```

@@ -1,4 +1,4 @@
-"""`ringeqx.plan` and `ringeqx.longest_context`: the plan of a problem from the memory
+"""`ringeqx.tools.plan` and `ringeqx.tools.longest_context`: the plan of a problem from the memory
 model, or from a target cluster's own compiler, and the longest context that fits."""
 
 import time
@@ -8,10 +8,12 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ._masks import AbstractMask
-from ._numbers import check_size
-from ._plan import Plan, Remat, analytic_plan, problem, target_chips
-from ._plan_check import NoFit, compiled_search
+from ..._masks import AbstractMask
+from ..._numbers import check_size
+from ._analytic import analytic_plan
+from ._compiled import NoFit, compiled_search
+from ._plan import Plan
+from ._problem import Remat, problem, target_chips
 
 
 _GIB = 2**30
@@ -63,7 +65,7 @@ def plan(
     - `scan_layers`: plan the LM with its layers stacked and scanned
         ([`ringeqx.nn.RingTransformerLM`][]`(scan_layers=True)`): on TPUs and GPUs it
         compiles in the time of one layer and keeps less memory.
-    - `device`: `"cpu"` or a key of [`ringeqx.HARDWARE`][] (its memory is the default
+    - `device`: `"cpu"` or a key of [`ringeqx.tools.HARDWARE`][] (its memory is the default
         budget). It also picks the compiler the prediction speaks for: a TPU or GPU
         profile predicts the program `target=` would compile there (the Pallas kernel,
         fully sharded LM state), with counts fitted to that compiler.
@@ -73,7 +75,7 @@ def plan(
     - `remat`, `block_size`: fix a knob instead of searching it.
     - `target`: a cluster to answer for with its own compiler, `"v5p:4x4x4"` (a TPU
         generation and slice) or `"h100:8"` (a GPU and a count), as
-        [`ringeqx.target_mesh`][] takes it; `batch_devices * num_devices` must be its
+        [`ringeqx.tools.target_mesh`][] takes it; `batch_devices * num_devices` must be its
         chip count, `device` is its profile and its chip's memory the default budget.
         Each candidate (no remat, then `"attention"`, then `"block"`) is compiled for the
         target (its Pallas kernel; an LM's parameters and Adam state fully sharded over
@@ -83,7 +85,7 @@ def plan(
         (`pip install "jax[tpu]"` or `"jax[cuda12]"` at JAX's version); seconds to
         minutes a compile.
 
-    **Returns:** a [`ringeqx.Plan`][].
+    **Returns:** a [`ringeqx.tools.Plan`][].
 
     **Raises:** `ValueError` when nothing fits, saying what would: how many devices on
     the ring, or how large a budget; without `target=`, where the memory model was never
@@ -94,9 +96,9 @@ def plan(
     **Example:**
 
     ```python
-    p = ringeqx.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
+    p = ringeqx.tools.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
                      max_memory_usage=2**30)
-    model = ringeqx.nn.RingTransformerLM.from_plan(p, key=jax.random.key(0))
+    model = p.model(key=jax.random.key(0))
     ```
     """
     cfg, remats = problem(
@@ -125,11 +127,11 @@ def plan(
 
 
 class ContextSearch(NamedTuple):
-    """The answer of [`ringeqx.longest_context`][].
+    """The answer of [`ringeqx.tools.longest_context`][].
 
     **Fields:**
 
-    - `plan`: the longest context that fits, as its [`ringeqx.Plan`][] (with the
+    - `plan`: the longest context that fits, as its [`ringeqx.tools.Plan`][] (with the
         compiler's bytes per chip in `plan.compiled`).
     - `probes`: every length compiled, in order, as `(seq_len, total bytes per chip or
         None where the compiler refused it, fits)`.
@@ -164,18 +166,18 @@ def longest_context(
     """The longest sequence that ring attention, or a `RingTransformerLM` training step,
     fits in on `target`, answered by the target's compiler.
 
-    A search over compiles of [`ringeqx.plan`][]`(..., target=target)`: the length
+    A search over compiles of [`ringeqx.tools.plan`][]`(..., target=target)`: the length
     doubles from `start` until a program no longer fits, then the gap is halved until it
     is within 1/8 of the answer. Lengths are multiples of `2 * num_devices * 1024` (whole
     1024-token tiles, and zigzag's two chunks a device). Each probe is one compile
     (seconds for attention, minutes for a large LM's unrolled layers); `log` is told
     each one as it ends (pass None for silence).
 
-    **Arguments:** as [`ringeqx.plan`][], with `target` required and the ring its chips
+    **Arguments:** as [`ringeqx.tools.plan`][], with `target` required and the ring its chips
     over `batch_devices`; `remat` defaults to `"block"` for an LM (the least memory, so
     the longest context). `start`: the first length tried (default 16 units).
 
-    **Returns:** a [`ringeqx.ContextSearch`][].
+    **Returns:** a [`ringeqx.tools.ContextSearch`][].
 
     **Raises:** `ValueError` when not even one unit fits (at once, with nothing
     compiled, when an LM's parameters and Adam state alone exceed the budget).

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ._layout import Layout
+from .._layout import Layout
 from ._schedule import Schedule
 
 
@@ -68,7 +68,7 @@ def plot_schedule(schedule: Schedule, *, what: str = "pairs", ax=None):
 
     **Arguments:**
 
-    - `schedule`: a [`ringeqx.Schedule`][] (from [`ringeqx.schedule`][]).
+    - `schedule`: a [`ringeqx.tools.Schedule`][] (from [`ringeqx.tools.schedule`][]).
     - `what`: `"pairs"` (unmasked query-key pairs) or `"tiles"` (kernel tiles run).
     - `ax`: a matplotlib `Axes` to draw on (default: a new figure).
 

@@ -124,7 +124,7 @@ def _gpu_devices(gpu: str, count: int) -> tuple:
                 "Compile-only GPUs need the CUDA plugin registered without a driver: set "
                 "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 in the environment before JAX starts "
                 "(before the first jax.devices(), jit or array), or call "
-                "ringeqx.target_mesh before anything else uses JAX."
+                "ringeqx.tools.target_mesh before anything else uses JAX."
             )
         os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
     # One host holds at most 8 GPUs; more are more hosts of 8.
@@ -159,7 +159,7 @@ def _tpu_devices(name: str) -> tuple:
 
 
 def target_devices(target: str, size: int | str | None = None) -> tuple:
-    """The compile-only devices of a named cluster (see [`ringeqx.target_mesh`][])."""
+    """The compile-only devices of a named cluster (see [`ringeqx.tools.target_mesh`][])."""
     if ":" in target:
         if size is not None:
             raise ValueError(
@@ -204,7 +204,7 @@ def target_mesh(
     `jax.ShapeDtypeStruct`s with a `NamedSharding`) runs the whole TPU or GPU compiler,
     Mosaic and Triton included: the compiled program's `memory_analysis()` gives the bytes
     per chip, `cost_analysis()` the FLOPs and `as_text()` the scheduled HLO (see
-    [`ringeqx.ring_overlap`][]). `kernel="auto"` in [`ringeqx.ring_attention`][] picks the
+    [`ringeqx.tools.ring_overlap`][]). `kernel="auto"` in [`ringeqx.ring_attention`][] picks the
     Pallas kernel of the mesh's platform. The program cannot be run.
 
     Needs the compiler: `pip install "jax[tpu]==<jax version>"` (libtpu) for TPUs,
@@ -217,7 +217,7 @@ def target_mesh(
     - `target`: a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`) with its slice,
         as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")` (a single chip too, as
         `"v5e:1x1"`); or a GPU (`"h100"`, `"h200"`,
-        `"a100"`; their published figures are in `ringeqx._targets.GPUS`) with a
+        `"a100"`; their published figures are in `ringeqx.tools._targets.GPUS`) with a
         device count (default 8; more than 8 are hosts of 8), as `"h100:8"` or
         `target_mesh("h100", 8)`.
     - `size`: the slice topology (TPU) or device count (GPU), when `target` has none.
@@ -229,7 +229,7 @@ def target_mesh(
     **Example:**
 
     ```python
-    mesh = ringeqx.target_mesh("v5p", "4x4x4")  # 64 chips
+    mesh = ringeqx.tools.target_mesh("v5p", "4x4x4")  # 64 chips
     spec = jax.ShapeDtypeStruct((1, 2**20, 32, 128), jnp.bfloat16,
                                 sharding=NamedSharding(mesh, P(None, "sequence")))
     compiled = jax.jit(attn).lower(spec, kv_spec, kv_spec).compile()
