@@ -34,7 +34,7 @@ reference; `--longest` compiles causal forward+backward at head_dim 128, 16:4 he
 262144 and 393216 tokens (ringeqx and splash; splash with full-mask tables unless
 `--splash-causal-tables`: its causal tables take tens of minutes of host time there,
 and its buffers do not depend on the mask) and reports which fit in HBM; `--compile-only
-v5e` builds every candidate for a compile-only v5e chip (`ringeqx.target_mesh`, needs
+v5e` builds every candidate for a compile-only v5e chip (`ringeqx.tools.target_mesh`, needs
 `jax[tpu]`, no TPU) and reports compile status and temp bytes, timing nothing.
 
 On the chip (no network there: the wheels in `.whl-tpu/` are equinox, jaxtyping,
@@ -705,7 +705,7 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.compile_only:
         target = args.compile_only if ":" in args.compile_only else f"{args.compile_only}:1x1"
-        mesh = rx.target_mesh(target)
+        mesh = rx.tools.target_mesh(target)
         where = f"compile-only {target} ({mesh.devices.flat[0].device_kind})"
     else:
         if jax.default_backend() != "tpu":

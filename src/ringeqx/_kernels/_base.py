@@ -43,7 +43,7 @@ class AbstractAttentionKernel(eqx.Module):
     - `scores`: the mask, the score modifier and the scale, as one [`ringeqx.Scores`][].
 
     Every kernel works in `block_q x block_kv` tiles (static fields of the concrete
-    kernel), which [`ringeqx.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
+    kernel), which [`ringeqx.tools.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
     tunes; `interpret` is a static field of the Pallas kernels. `PallasGpuKernel`'s
     tiles may be None: chosen per call from its tuned table, by dtype and head_dim.
     """

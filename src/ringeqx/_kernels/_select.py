@@ -151,7 +151,7 @@ def select_kernel(
     The device is the mesh's: with `device_type="auto"`, the platform of `mesh`'s devices
     (or, without `mesh`, of the mesh set by `jax.set_mesh`), so that a program for an
     H100 or TPU mesh gets that device's Pallas kernel even where this process's default
-    backend is the CPU ([`ringeqx.target_mesh`][] makes compile-only meshes); only
+    backend is the CPU ([`ringeqx.tools.target_mesh`][] makes compile-only meshes); only
     without any mesh is it JAX's default backend.
 
     Kernels chosen by name get the default tiles of their device (256 x 256 for XLA on
@@ -199,7 +199,7 @@ def select_kernel(
             raise ValueError(
                 f"device_type={device_type!r} but JAX has no {device} devices (its "
                 f"backend is {jax.default_backend()!r}) and no mesh says otherwise; use "
-                "device_type='auto', pass a mesh of such devices (ringeqx.target_mesh "
+                "device_type='auto', pass a mesh of such devices (ringeqx.tools.target_mesh "
                 "makes compile-only ones), or pass interpret=True to run that device's "
                 "Pallas kernel in the interpreter."
             )
