@@ -716,10 +716,10 @@ class PallasTpuKernel(AbstractAttentionKernel):
     - `interpret`: run in the Pallas interpreter (any backend; for tests on the CPU).
     - `block_kv_compute`: key columns computed at a time within a `block_kv` tile
       (static; a multiple of 128 dividing `block_kv`), or None (or at least `block_kv`)
-      for the whole tile: the
-      tile is copied in one DMA, its scores computed in smaller pieces, each piece on
-      its own branch of the tile table (skipped where nobody attends, unmasked where
-      all do), so a wide tile costs fewer grid steps and no more work.
+      for the whole tile: the tile is copied in one DMA, its scores computed in smaller
+      pieces, each piece on its own branch of the tile table (skipped where nobody
+      attends, unmasked where all do), so a wide tile costs fewer grid steps and no
+      more work.
     - `backward_block_kv`, `backward_block_kv_compute`: the same for the fused
       backward (static); `backward_block_kv=None` runs it on the forward's tiles (both
       of them). Its float32 dK and dV accumulators and four score-sized tiles make
@@ -851,7 +851,10 @@ class PallasTpuKernel(AbstractAttentionKernel):
         q_len, kv_len = q.shape[2], k.shape[2]
         block_q = min(self.block_q, tiles.round_up(q_len, _SUBLANES))
         block_kv, compute = self._key_tiles(backward)
-        block_kv = min(block_kv, max(compute or 0, self._key_tile_cap(q.shape[3], backward)))
+        cap = self._key_tile_cap(q.shape[3], backward)
+        if compute is not None and compute < block_kv:
+            cap = max(compute, cap // compute * compute)  # whole pieces
+        block_kv = min(block_kv, cap)
         return common.tiling(q, k, block_q, _key_tile(block_kv, compute, kv_len))
 
     def _table(self, t: common.Tiling, scores: Scores, q_info, kv_info, backward: bool):
