@@ -136,10 +136,16 @@ def test_mixed_lm_loss_and_gradients_are_float32():
 
 
 def test_swiglu_block_is_llamas_mlp_and_trains():
-    model = _lm(mlp="swiglu", norm_bias=False, precision=MIXED)
-    block = model.blocks[0]
+    # Scanned and rematerialised, as a deep model trains: the casts happen per layer.
+    model = _lm(mlp="swiglu", norm_bias=False, precision=MIXED, scan_layers=True,
+                checkpoint="block")
+    block = model.layers[0]
     assert isinstance(block.mlp, rx.nn.SwiGLUMLP) and block.mlp_norm.bias is None
-    assert isinstance(_lm().blocks[0].mlp, rx.nn.GeluMLP)
+    assert model.final_norm.bias is None
+    gelu = _lm().blocks[0]
+    assert isinstance(gelu.mlp, rx.nn.GeluMLP) and gelu.mlp_in is gelu.mlp.mlp_in
+    with pytest.raises(AttributeError, match="this block's MLP is a SwiGLUMLP"):
+        block.mlp_in
     x = jax.random.normal(jax.random.key(4), (5, 12))
     mlp = block.mlp
     want = (jax.nn.silu(x @ mlp.gate.weight.T) * (x @ mlp.up.weight.T)) @ mlp.down.weight.T
