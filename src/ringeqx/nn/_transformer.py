@@ -588,13 +588,13 @@ class RingTransformerLM(eqx.Module):
         Every layer is per token or ring attention, so tokens sharded over the ring's
         sequence axis give logits sharded the same way: no device holds the sequence.
         """
-        # The stream stays sharded over the ring between layers (see `keep_on_ring`).
         return self.precision.cast_to_output(
             self._forward(tokens, layout, segment_ids=segment_ids, mesh=mesh)
         )
 
     def _forward(self, tokens, layout, *, segment_ids, mesh) -> Array:
         """`__call__`'s logits in float32."""
+        # The stream stays sharded over the ring between layers (see `keep_on_ring`).
         axis = _first(self.blocks).attention.axis_name
         x = keep_on_ring(self._embed(tokens), mesh, axis)
 
