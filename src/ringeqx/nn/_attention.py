@@ -19,6 +19,7 @@ from .._mesh import resolve_mesh
 from .._numbers import check_bool, check_positive, check_size
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
+from ._precision import Precision, check_precision
 from ._rope import apply_rope
 
 
@@ -35,7 +36,7 @@ def _check_x(x, dim) -> None:
 
 
 def check_options(
-    *, head_dim, mask, score_mod, sinks, rope_theta, interpret, use_bias
+    *, head_dim, mask, score_mod, sinks, rope_theta, interpret, use_bias, precision=None
 ) -> dict:
     """The options of a `RingAttention` that its annotations alone do not guard (a
     user without jaxtyping's hook passes anything), checked and made plain Python: the
@@ -60,6 +61,7 @@ def check_options(
         rope_theta=rope_theta,
         interpret=check_bool("interpret", interpret),
         use_bias=check_bool("use_bias", use_bias),
+        precision=check_precision(precision),
     )
 
 
@@ -94,6 +96,11 @@ class RingAttention(eqx.Module):
     - `config`: a [`ringeqx.RingConfig`][] or [`ringeqx.AllGather`][].
     - `axis_name`: the ring's mesh axis.
     - `use_bias`: whether the projections have biases.
+    - `precision`: a [`ringeqx.nn.Precision`][] (default float32 throughout): the
+        projections are stored in its `param_dtype`; each call casts them and `x` to its
+        `compute_dtype` (queries, keys and values reach ring attention in it, which
+        keeps its scores and softmax in float32) and returns its `output_dtype`. Prefill
+        and decode keep keys and values in `compute_dtype`.
     - `key`: a `jax.random` key.
     """
 
@@ -111,6 +118,7 @@ class RingAttention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     rope_theta: float | None = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+    precision: Precision
 
     def __init__(
         self,
@@ -129,6 +137,7 @@ class RingAttention(eqx.Module):
         config: RingConfig | AllGather | None = None,
         axis_name: str = "sequence",
         use_bias: bool = False,
+        precision: Precision | None = None,
         key: PRNGKeyArray,
     ):
         dim, num_heads = check_size("dim", dim), check_size("num_heads", num_heads)
@@ -142,9 +151,11 @@ class RingAttention(eqx.Module):
             rope_theta=rope_theta,
             interpret=interpret,
             use_bias=use_bias,
+            precision=precision,
         )
         head_dim, sinks, rope_theta = options["head_dim"], options["sinks"], options["rope_theta"]
         interpret, use_bias = options["interpret"], options["use_bias"]
+        precision = options["precision"]
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 "`num_heads` must be a positive multiple of `num_kv_heads`; got "
@@ -162,10 +173,11 @@ class RingAttention(eqx.Module):
                 "(pass rope_theta=None to disable them)."
             )
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.query_proj = eqx.nn.Linear(dim, num_heads * head_dim, use_bias, key=kq)
-        self.key_proj = eqx.nn.Linear(dim, num_kv_heads * head_dim, use_bias, key=kk)
-        self.value_proj = eqx.nn.Linear(dim, num_kv_heads * head_dim, use_bias, key=kv)
-        self.output_proj = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, key=ko)
+        dtype = precision.param_dtype
+        self.query_proj = eqx.nn.Linear(dim, num_heads * head_dim, use_bias, dtype, key=kq)
+        self.key_proj = eqx.nn.Linear(dim, num_kv_heads * head_dim, use_bias, dtype, key=kk)
+        self.value_proj = eqx.nn.Linear(dim, num_kv_heads * head_dim, use_bias, dtype, key=kv)
+        self.output_proj = eqx.nn.Linear(num_heads * head_dim, dim, use_bias, dtype, key=ko)
         self.mask = Causal() if mask is None else mask
         self.score_mod = score_mod
         self.sinks = jnp.zeros(num_heads, jnp.float32) if sinks else None
@@ -184,6 +196,7 @@ class RingAttention(eqx.Module):
         self.head_dim = head_dim
         self.rope_theta = rope_theta
         self.axis_name = axis_name
+        self.precision = precision
 
     def __call__(
         self,
@@ -214,9 +227,20 @@ class RingAttention(eqx.Module):
             positions = jnp.arange(seq, dtype=jnp.int32)
         else:
             positions = layout.token_info().positions
-        q, k, v = self._project(x, positions)
-        out = self._attend(q, k, v, layout, mesh, segment_ids=segment_ids, span_ids=span_ids)
-        return jax.vmap(self.output_proj)(out.reshape(seq, -1))
+        layer, x = self._in_compute(), self.precision.cast_to_compute(x)
+        q, k, v = layer._project(x, positions)
+        out = layer._attend(q, k, v, layout, mesh, segment_ids=segment_ids, span_ids=span_ids)
+        return self.precision.cast_to_output(jax.vmap(layer.output_proj)(out.reshape(seq, -1)))
+
+    def _in_compute(self) -> "RingAttention":
+        """This layer with its projections in the policy's compute dtype (the sinks,
+        a logit joining a float32 softmax, stay as they are)."""
+        projections = (self.query_proj, self.key_proj, self.value_proj, self.output_proj)
+        return eqx.tree_at(
+            lambda a: (a.query_proj, a.key_proj, a.value_proj, a.output_proj),
+            self,
+            self.precision.cast_to_compute(projections),
+        )
 
     def _attend(self, q, k, v, layout, mesh, **ids) -> Array:
         """This layer's ring attention over q/k/v `[seq, heads, head_dim]` (in layout
@@ -272,9 +296,11 @@ class RingAttention(eqx.Module):
         in layout order.
         """
         _check_x(x, self.query_proj.in_features)
-        q, k, v = self._project(x, layout.token_info().positions)
-        out = self._attend(q, k, v, layout, mesh)
-        out = jax.vmap(self.output_proj)(out.reshape(x.shape[0], -1))
+        layer, x = self._in_compute(), self.precision.cast_to_compute(x)
+        q, k, v = layer._project(x, layout.token_info().positions)
+        out = layer._attend(q, k, v, layout, mesh)
+        out = jax.vmap(layer.output_proj)(out.reshape(x.shape[0], -1))
+        out = self.precision.cast_to_output(out)
         return out, jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1)
 
     def decode(
@@ -311,7 +337,8 @@ class RingAttention(eqx.Module):
         **Returns:** `(out, keys, values)`: the output `[dim]` and the updated cache.
         """
         mesh = resolve_mesh(mesh, self.axis_name)
-        q, k, v = self._project(x[None], query.positions[None])
+        layer, x = self._in_compute(), self.precision.cast_to_compute(x)
+        q, k, v = layer._project(x[None], query.positions[None])
         out, keys, values = decode_attention(
             q[0],
             k[0],
@@ -329,4 +356,5 @@ class RingAttention(eqx.Module):
             mesh=mesh,
             axis_name=self.axis_name,
         )
-        return self.output_proj(out.reshape(-1)), keys, values
+        out = self.precision.cast_to_output(layer.output_proj(out.reshape(-1)))
+        return out, keys, values

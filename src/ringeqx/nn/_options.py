@@ -11,6 +11,7 @@ from .._kernels._select import DeviceType, KernelName
 from .._masks import AbstractMask
 from .._score_mods import AbstractScoreMod
 from ._attention import RingAttention, check_options
+from ._precision import Precision
 
 
 class AttentionOptions(eqx.Module):
@@ -38,6 +39,7 @@ class AttentionOptions(eqx.Module):
     config: RingConfig | AllGather | None = None
     axis_name: str = eqx.field(static=True, default="sequence")
     use_bias: bool = eqx.field(static=True, default=False)
+    precision: Precision | None = None
 
     def __check_init__(self):
         # The layer's own checks, now: a wrong option is named where it was written,
@@ -50,6 +52,7 @@ class AttentionOptions(eqx.Module):
             rope_theta=self.rope_theta,
             interpret=self.interpret,
             use_bias=self.use_bias,
+            precision=self.precision,
         )
 
     def build(

@@ -1,5 +1,6 @@
 """A pre-norm transformer block and a small language model on ring attention."""
 
+import dataclasses
 import warnings
 from typing import Literal, Protocol, runtime_checkable
 
@@ -28,27 +29,44 @@ from .._mesh import keep_on_ring
 from .._numbers import check_bool, check_size
 from .._tokens import TokenInfo
 from ._attention import RingAttention
+from ._config import LMConfig
+from ._mlp import AbstractMLP, GeluMLP, MLPName, build_mlp
 from ._options import AttentionOptions
+from ._precision import Precision, check_precision
 
 
 class TransformerBlock(eqx.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` (GELU MLP).
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    The block follows its attention's [`ringeqx.nn.Precision`][]: its MLP is stored in
+    the policy's `param_dtype` and run in its `compute_dtype`, and the residual stream
+    `x` is kept in its `output_dtype`. The RMSNorms compute their statistics in float32.
 
     **Arguments:**
 
-    - `attention`: the block's [`ringeqx.nn.RingAttention`][] (its mask, kernel and
-        config are this layer's own).
+    - `attention`: the block's [`ringeqx.nn.RingAttention`][] (its mask, kernel,
+        config and precision are this layer's own).
     - `hidden`: MLP width.
+    - `mlp`: `"gelu"` (the default, a [`ringeqx.nn.GeluMLP`][]) or `"swiglu"`
+        (Llama's, a [`ringeqx.nn.SwiGLUMLP`][]).
+    - `norm_bias`: whether the RMSNorms have a bias (Llama's have none).
     - `key`: a `jax.random` key.
     """
 
     attention_norm: eqx.nn.RMSNorm
     attention: RingAttention
     mlp_norm: eqx.nn.RMSNorm
-    mlp_in: eqx.nn.Linear
-    mlp_out: eqx.nn.Linear
+    mlp: AbstractMLP
 
-    def __init__(self, attention: RingAttention, hidden: int, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        attention: RingAttention,
+        hidden: int,
+        *,
+        mlp: MLPName = "gelu",
+        norm_bias: bool = True,
+        key: PRNGKeyArray,
+    ):
         if not isinstance(attention, RingAttention):
             raise TypeError(
                 "`attention` must be a ringeqx.nn.RingAttention; got "
@@ -57,12 +75,36 @@ class TransformerBlock(eqx.Module):
         dim = attention.output_proj.out_features
         assert isinstance(dim, int)
         hidden = check_size("hidden", hidden)
-        k1, k2 = jax.random.split(key)
-        self.attention_norm = eqx.nn.RMSNorm(dim)
+        norm_bias = check_bool("norm_bias", norm_bias)
+        dtype = attention.precision.param_dtype
+        self.attention_norm = eqx.nn.RMSNorm(dim, use_bias=norm_bias, dtype=dtype)
         self.attention = attention
-        self.mlp_norm = eqx.nn.RMSNorm(dim)
-        self.mlp_in = eqx.nn.Linear(dim, hidden, key=k1)
-        self.mlp_out = eqx.nn.Linear(hidden, dim, key=k2)
+        self.mlp_norm = eqx.nn.RMSNorm(dim, use_bias=norm_bias, dtype=dtype)
+        self.mlp = build_mlp(mlp, dim, hidden, dtype=dtype, key=key)
+
+    @property
+    def precision(self) -> Precision:
+        """The block's policy: its attention's."""
+        return self.attention.precision
+
+    @property
+    def mlp_in(self) -> eqx.nn.Linear:
+        """The GELU MLP's first layer, `mlp.mlp_in` (where blocks held it before the
+        MLP was a choice)."""
+        return self._gelu().mlp_in
+
+    @property
+    def mlp_out(self) -> eqx.nn.Linear:
+        """The GELU MLP's second layer, `mlp.mlp_out`."""
+        return self._gelu().mlp_out
+
+    def _gelu(self) -> GeluMLP:
+        if not isinstance(self.mlp, GeluMLP):
+            raise AttributeError(
+                f"`mlp_in` and `mlp_out` are a GELU MLP's layers; this block's MLP is a "
+                f"{type(self.mlp).__name__} (see `block.mlp`)."
+            )
+        return self.mlp
 
     def __call__(
         self,
@@ -72,15 +114,15 @@ class TransformerBlock(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         mesh=None,
     ) -> Float[Array, "seq dim"]:
+        x = self.precision.cast_to_output(x)
         h = jax.vmap(self.attention_norm)(x)
         x = x + self.attention(h, layout, segment_ids=segment_ids, mesh=mesh)
-        h = jax.vmap(self.mlp_norm)(x)
-        h = jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
-        return x + h
+        return self._mlp(x)
 
     def _mlp(self, x: Array) -> Array:
-        h = jax.vmap(self.mlp_norm)(x)
-        return x + jax.vmap(self.mlp_out)(jax.nn.gelu(jax.vmap(self.mlp_in)(h)))
+        p = self.precision
+        h = p.cast_to_compute(jax.vmap(self.mlp_norm)(x))
+        return x + p.cast_to_output(p.cast_to_compute(self.mlp)(h))
 
     def prefill(
         self, x: Float[Array, "seq dim"], layout: Layout, *, mesh=None
@@ -91,6 +133,7 @@ class TransformerBlock(eqx.Module):
     ]:
         """`__call__` on `x` in layout order, also returning the attention's keys and
         values (see [`ringeqx.nn.RingAttention.prefill`][])."""
+        x = self.precision.cast_to_output(x)
         h = jax.vmap(self.attention_norm)(x)
         out, keys, values = self.attention.prefill(h, layout, mesh=mesh)
         return self._mlp(x + out), keys, values
@@ -112,6 +155,7 @@ class TransformerBlock(eqx.Module):
     ]:
         """One decode step of the block for a new token `x` `[dim]` (see
         [`ringeqx.nn.RingAttention.decode`][])."""
+        x = self.precision.cast_to_output(x)
         h = self.attention_norm(x)
         out, keys, values = self.attention.decode(h, keys, values, query, records, slot, mesh=mesh)
         return self._mlp((x + out)[None])[0], keys, values
@@ -161,6 +205,20 @@ def _options(attention: AttentionOptions | None, kwargs: dict | None) -> Attenti
         stacklevel=3,
     )
     return AttentionOptions(**kwargs)
+
+
+def _with_precision(attention: AttentionOptions, precision) -> AttentionOptions:
+    """The options with the model's `precision`, which an `attention.precision` of its
+    own must not contradict."""
+    if precision is None:
+        return attention
+    precision = check_precision(precision)
+    if attention.precision is not None and attention.precision != precision:
+        raise ValueError(
+            "Pass the precision once: `precision=` and `attention.precision` differ "
+            f"({precision} and {attention.precision})."
+        )
+    return dataclasses.replace(attention, precision=precision)
 
 
 def _decode_mesh(layers, token, cache: KVCache, mesh, on_overflow: str, embedding):
@@ -221,11 +279,11 @@ def _check_cache(
                     f"{want[1]}, head_dim={want[2]}] (layer {i} of the model); got shape "
                     f"{jnp.shape(x)}."
                 )
-            dtype = a.key_proj.weight.dtype if name == "keys" else a.value_proj.weight.dtype
+            dtype = a.precision.compute_dtype
             if jnp.result_type(x) != dtype:
                 raise TypeError(
-                    f"`cache.{name}[{i}]` must have dtype {dtype} (layer {i}'s projections, "
-                    f"as prefill makes it); got {jnp.result_type(x)}."
+                    f"`cache.{name}[{i}]` must have dtype {dtype} (layer {i}'s compute "
+                    f"dtype, as prefill makes it); got {jnp.result_type(x)}."
                 )
 
 
@@ -374,7 +432,19 @@ class RingTransformerLM(eqx.Module):
     - `scan_layers`: stack the layers and scan over them (see above); `blocks` is then
         one `TransformerBlock` with a leading layer axis on every array, and `layers`
         gives them one by one.
+    - `mlp`, `norm_bias`: every block's MLP (`"gelu"`, the default, or Llama's
+        `"swiglu"`) and whether its RMSNorms (and the final one) have a bias (see
+        [`ringeqx.nn.TransformerBlock`][]).
+    - `precision`: a [`ringeqx.nn.Precision`][], e.g. `Precision.mixed()` (float32
+        parameters, bfloat16 compute); default float32 throughout. It becomes every
+        block's attention's (`attention.precision`, which it must not contradict).
+        Embedding, norms and head are stored in its `param_dtype`, the residual stream
+        between blocks is in its `output_dtype`, and the head's product accumulates in
+        float32: the loss reads float32 logits, and `__call__` returns them in
+        `output_dtype`.
     - `key`: a `jax.random` key.
+
+    Llama-shaped models of published sizes: [`ringeqx.nn.RingTransformerLM.from_config`][].
 
     To save a model, use [`ringeqx.nn.save_model`][]: `eqx.tree_serialise_leaves`
     stores the arrays only, and deserialising them into a model built with another mask
@@ -401,6 +471,9 @@ class RingTransformerLM(eqx.Module):
         attention: AttentionOptions | None = None,
         attention_kwargs: dict | None = None,
         scan_layers: bool = False,
+        mlp: MLPName = "gelu",
+        norm_bias: bool = True,
+        precision: Precision | None = None,
         key: PRNGKeyArray,
     ):
         vocab_size, dim = check_size("vocab_size", vocab_size), check_size("dim", dim)
@@ -418,13 +491,14 @@ class RingTransformerLM(eqx.Module):
                 f"got {checkpoint!r}."
             )
         keys = jax.random.split(key, 2 * num_layers + 2)
-        attention = _options(attention, attention_kwargs)
-        self.embedding = eqx.nn.Embedding(vocab_size, dim, key=keys[0])
+        attention = _with_precision(_options(attention, attention_kwargs), precision)
+        dtype = check_precision(attention.precision).param_dtype
+        norm_bias = check_bool("norm_bias", norm_bias)
+        self.embedding = eqx.nn.Embedding(vocab_size, dim, dtype=dtype, key=keys[0])
 
         def block(k1, k2):
-            return TransformerBlock(
-                attention.build(dim, num_heads, num_kv_heads, key=k1), hidden, key=k2
-            )
+            attn = attention.build(dim, num_heads, num_kv_heads, key=k1)
+            return TransformerBlock(attn, hidden, mlp=mlp, norm_bias=norm_bias, key=k2)
 
         k1, k2 = keys[1:-1:2], keys[2:-1:2]
         if scan_layers:  # the same keys, so the same weights as the unrolled model
@@ -432,9 +506,74 @@ class RingTransformerLM(eqx.Module):
         else:
             self.blocks = tuple(block(a, b) for a, b in zip(k1, k2))
         self.scan_layers = scan_layers
-        self.final_norm = eqx.nn.RMSNorm(dim)
-        self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, key=keys[-1])
+        self.final_norm = eqx.nn.RMSNorm(dim, use_bias=norm_bias, dtype=dtype)
+        self.head = eqx.nn.Linear(dim, vocab_size, use_bias=False, dtype=dtype, key=keys[-1])
         self.checkpoint = checkpoint
+
+    @classmethod
+    def from_config(
+        cls,
+        config: LMConfig,
+        *,
+        attention: AttentionOptions | None = None,
+        precision: Precision | None = None,
+        checkpoint: bool | Literal["none", "attention", "block"] = False,
+        scan_layers: bool = False,
+        key: PRNGKeyArray,
+    ) -> "RingTransformerLM":
+        """The model of a named shape: `config` an [`ringeqx.nn.LMConfig`][] such as
+        [`ringeqx.nn.LLAMA3_8B`][] (its sizes, MLP, norms and `rope_theta`, which
+        replaces `attention`'s); the other arguments as in `__init__`.
+
+        **Example:**
+
+        ```python
+        lm = ringeqx.nn.RingTransformerLM.from_config(
+            ringeqx.nn.LLAMA_300M, precision=ringeqx.nn.Precision.mixed(),
+            scan_layers=True, checkpoint="block", key=key,
+        )
+        ```
+        """
+        if not isinstance(config, LMConfig):
+            hint = " (e.g. ringeqx.nn.LLAMA3_8B, not its name)" if isinstance(config, str) else ""
+            raise TypeError(
+                f"`config` must be a ringeqx.nn.LMConfig{hint}; got {type(config).__name__} "
+                f"{config!r}."
+            )
+        attention = _options(attention, None)
+        attention = dataclasses.replace(attention, rope_theta=config.rope_theta)
+        return cls(
+            config.vocab_size,
+            config.dim,
+            config.num_heads,
+            config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            hidden=config.hidden,
+            checkpoint=checkpoint,
+            attention=attention,
+            scan_layers=scan_layers,
+            mlp=config.mlp,
+            norm_bias=config.norm_bias,
+            precision=precision,
+            key=key,
+        )
+
+    @property
+    def precision(self) -> Precision:
+        """The model's [`ringeqx.nn.Precision`][]: its blocks' attention's."""
+        return _first(self.blocks).attention.precision
+
+    def _logits(self, x: Array) -> Array:
+        """Float32 logits `[seq, vocab]` of the final hidden states `x`: the norm in
+        float32, the head's product in the compute dtype, accumulated in float32."""
+        p = self.precision
+        h = p.cast_to_compute(jax.vmap(self.final_norm)(x))
+        weight = p.cast_to_compute(self.head.weight)
+        return jnp.einsum("sd,vd->sv", h, weight, preferred_element_type=jnp.float32)
+
+    def _embed(self, tokens: Array) -> Array:
+        """The residual stream `[seq, dim]` of `tokens`, in the output dtype."""
+        return self.precision.cast_to_output(jax.vmap(self.embedding)(tokens))
 
     def __call__(
         self,
@@ -449,9 +588,15 @@ class RingTransformerLM(eqx.Module):
         Every layer is per token or ring attention, so tokens sharded over the ring's
         sequence axis give logits sharded the same way: no device holds the sequence.
         """
+        return self.precision.cast_to_output(
+            self._forward(tokens, layout, segment_ids=segment_ids, mesh=mesh)
+        )
+
+    def _forward(self, tokens, layout, *, segment_ids, mesh) -> Array:
+        """`__call__`'s logits in float32."""
         # The stream stays sharded over the ring between layers (see `keep_on_ring`).
         axis = _first(self.blocks).attention.axis_name
-        x = keep_on_ring(jax.vmap(self.embedding)(tokens), mesh, axis)
+        x = keep_on_ring(self._embed(tokens), mesh, axis)
 
         def run(block, x):
             return keep_on_ring(block(x, layout, segment_ids=segment_ids, mesh=mesh), mesh, axis)
@@ -467,8 +612,7 @@ class RingTransformerLM(eqx.Module):
         else:
             for block in self.layers:
                 x = run(block, x)
-        x = jax.vmap(self.final_norm)(x)
-        return jax.vmap(self.head)(x)
+        return self._logits(x)
 
     @property
     def layers(self) -> tuple[TransformerBlock, ...]:
@@ -522,7 +666,7 @@ class RingTransformerLM(eqx.Module):
         capacity = cache_capacity(layout, max_new_tokens)
         info = layout.token_info()
         check_servable(layer_masks(layers), info, layout.seq_len, max_new_tokens)
-        x = jax.vmap(self.embedding)(tokens)
+        x = self._embed(tokens)
         keys, values = [], []
         for block in layers:
             x, k, v = block.prefill(x, layout, mesh=mesh)
@@ -530,7 +674,7 @@ class RingTransformerLM(eqx.Module):
             values.append(v)
         last = info.valid & (info.positions == layout.seq_len - 1)
         x = jnp.sum(jnp.where(last[:, None], x, 0), axis=0)
-        logits = self.head(self.final_norm(x))
+        logits = self.precision.cast_to_output(self._logits(x[None])[0])
         cache = prefill_cache(layout, tuple(keys), tuple(values), capacity)
         return logits, place_cache(cache, mesh, axis)
 
@@ -596,13 +740,13 @@ class RingTransformerLM(eqx.Module):
         in_vocab = (token >= 0) & (token < vocab_size)
         slot = jnp.where(ok, slot, -1)  # a full cache drops the token and says so
         query, records = cache.query(), replicated(cache.write_records(slot), mesh)
-        x = self.embedding(token)
+        x = self._embed(token[None])[0]
         keys, values = [], []
         for block, k, v in zip(layers, cache.keys, cache.values):
             x, k, v = block.decode(x, k, v, query, records, slot, mesh=mesh)
             keys.append(k)
             values.append(v)
-        logits = self.head(self.final_norm(x))
+        logits = self.precision.cast_to_output(self._logits(x[None])[0])
         length = cache.length + 1
         inexact = ~ok | ~fits | ~in_vocab
         for s in sees:
@@ -670,8 +814,8 @@ class RingTransformerLM(eqx.Module):
             raise ValueError(
                 f"`labels` must have the shape of `tokens` {tokens.shape}; got {labels.shape}."
             )
-        logits = self(tokens, layout, segment_ids=segment_ids, mesh=mesh)
-        logits = logits.astype(jnp.float32)
+        # Float32 logits, whatever the output dtype: the softmax needs the range.
+        logits = self._forward(tokens, layout, segment_ids=segment_ids, mesh=mesh)
         picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
         nll = jax.nn.logsumexp(logits, axis=-1) - picked
         if layout is None:

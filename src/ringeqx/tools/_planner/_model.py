@@ -209,7 +209,9 @@ def attention_regime(s: Shapes) -> str:
 
 
 class LMShapes(eqx.Module):
-    """Per-device sizes of an LM training step."""
+    """Per-device sizes of an LM training step; `mlp` and `norm_bias` are the blocks'
+    (`ringeqx.nn.RingTransformerLM`'s arguments: a SwiGLU MLP has three bias-free
+    matrices, a GELU MLP two with biases)."""
 
     attention: Shapes
     vocab_size: int = eqx.field(static=True)
@@ -219,18 +221,30 @@ class LMShapes(eqx.Module):
     remat: str = eqx.field(static=True)
     chips: int = eqx.field(static=True, default=1)
     scan: bool = eqx.field(static=True, default=False)
+    mlp: str = eqx.field(static=True, default="gelu")
+    norm_bias: bool = eqx.field(static=True, default=True)
+
+    def _norm_params(self) -> int:
+        """Parameters of one RMSNorm: a weight, and a bias unless `norm_bias` is off."""
+        return 2 * self.dim if self.norm_bias else self.dim
 
     def block_params(self) -> int:
         """Parameters of one transformer block."""
         a = self.attention
         qo = 2 * self.dim * a.heads * a.head_dim
         kv = 2 * self.dim * a.kv_heads * a.head_dim
-        mlp = 2 * self.dim * self.hidden + self.hidden + self.dim
-        return qo + kv + mlp + 4 * self.dim  # two RMSNorms, weight and bias each
+        match self.mlp:
+            case "gelu":
+                mlp = 2 * self.dim * self.hidden + self.hidden + self.dim
+            case "swiglu":
+                mlp = 3 * self.dim * self.hidden
+            case _:
+                raise ValueError(f"`mlp` must be 'gelu' or 'swiglu'; got {self.mlp!r}.")
+        return qo + kv + mlp + 2 * self._norm_params()
 
     def param_count(self) -> int:
         blocks = self.num_layers * self.block_params()
-        return 2 * self.vocab_size * self.dim + blocks + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + blocks + self._norm_params()
 
 
 def _attention_temp(s: Shapes) -> tuple[float, float]:
