@@ -36,5 +36,6 @@ def test_tpu_mesh_shapes():
 
 def test_slices_libtpu_refuses_say_what_it_takes():
     # libtpu's INVALID_ARGUMENT came through raw (issue 45).
-    with pytest.raises(ValueError, match=r"libtpu describes no slice 'v5e:3x3'.*whole hosts of 2x2"):
+    said = r"libtpu describes no slice 'v5e:3x3'.*whole hosts of 2x2"
+    with pytest.raises(ValueError, match=said):
         rx.tools.target_mesh("v5e:3x3")
