@@ -32,3 +32,10 @@ def test_tpu_mesh_shapes():
     assert mesh.shape == {"batch": 2, "sequence": 4}
     with pytest.raises(ValueError, match=r"holds 6 devices; target 'v5p:2x2x2' has 8"):
         rx.tools.target_mesh("v5p:2x2x2", mesh_shape=(2, 3), axis_names=("batch", "sequence"))
+
+
+def test_slices_libtpu_refuses_say_what_it_takes():
+    # libtpu's INVALID_ARGUMENT came through raw (issue 45).
+    said = r"libtpu describes no slice 'v5e:3x3'.*whole hosts of 2x2"
+    with pytest.raises(ValueError, match=said):
+        rx.tools.target_mesh("v5e:3x3")

@@ -128,3 +128,28 @@ def test_layout_shard_errors():
         layout.shard(jnp.zeros((7, 3)))
     with pytest.raises((ValueError, TypeError), match="an axis of length 8"):
         layout.unshard(jnp.zeros((9, 3)))
+
+
+def test_forward_mode_says_reverse_mode_works():
+    # JAX's own message named only "a custom_vjp function" (issue 45).
+    def f(q):
+        return _call(q, K, V).sum()
+
+    for transform in (lambda: jax.jvp(f, (Q,), (Q,)), lambda: jax.jacfwd(f)(Q)):
+        with pytest.raises(TypeError, match="reverse mode only: jax.grad, jax.vjp"):
+            transform()
+
+
+@pytest.mark.parametrize("kernel", ["pallas_tpu", "pallas_gpu"])
+def test_second_derivatives_through_pallas_say_what_works(kernel):
+    # An empty NotImplementedError (Mosaic) or "Linearization failed" (Triton) came from
+    # inside Pallas; raised while tracing, so nothing compiles.
+    q, k, v = qkv(jax.random.key(1), (1,), 32, 2, 2, 128)
+    picked = rx.select_kernel(kernel, interpret=True)
+
+    def grad_sum(x):
+        return jax.grad(lambda y: _call(y, k, v, kernel=picked).sum())(x).sum()
+
+    said = 'Second derivatives through Pallas.*kernel="xla"'
+    with pytest.raises(NotImplementedError, match=said):
+        jax.grad(grad_sum)(q)

@@ -18,7 +18,11 @@ def test_missing_compilers_name_their_package():
 @pytest.mark.parametrize(
     "args, match",
     [
-        (("v9",), "Unknown target 'v9'; known targets: TPU v4, v5e, v5p, v6e"),
+        (("v9",), "Unknown target 'v9'; known targets: TPU v5e, v5p, v6e"),
+        # Listed as supported, and no mesh could be made of it (issue 45).
+        (("v4:2x2x1",), "TPU v4 has no compile-only target"),
+        (("v5e:2xb",), "A TPU slice is its chip count along each axis joined by 'x'"),
+        (("v5e", "0x2"), "A TPU slice is its chip count along each axis"),
         (("v5p",), "A TPU target needs its slice topology as a string"),
         (("v5p", 4), "A TPU target needs its slice topology as a string"),
         (("v5p:2x2x1", "2x2x1"), "names its slice already"),
@@ -30,6 +34,12 @@ def test_missing_compilers_name_their_package():
 def test_bad_targets_are_clear_errors(args, match):
     with pytest.raises(ValueError, match=match):
         rx.tools.target_mesh(*args)
+
+
+def test_axis_names_must_be_a_sequence_of_names():
+    # A string was split into one axis a letter (issue 45).
+    with pytest.raises(TypeError, match=r"`axis_names` must be a sequence of strings.*'sequence'"):
+        rx.tools.target_mesh("v5e:2x2", axis_names="sequence")
 
 
 def test_gpu_target_configs_carry_the_published_figures():

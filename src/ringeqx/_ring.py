@@ -498,7 +498,25 @@ def run(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
     VJP learns which score-modifier leaves are differentiated from symbolic zeros, which
     JAX supports inside a traced `shard_map` only, and a called-eagerly ring then runs
     as one compiled program rather than op by op."""
-    return _run(call, qkv)
+    return _reverse_mode_only(call, qkv)
+
+
+def _reverse_mode_only(call: RingCall, qkv: tuple[Array, Array, Array]) -> Array:
+    """`_run(call, qkv)`, saying what to use when a caller differentiates it in forward mode
+    (`jax.jvp`, `jax.jacfwd`), where JAX's own message names only "a custom_vjp
+    function" (issue 45)."""
+    try:
+        return _run(call, qkv)
+    except TypeError as error:
+        if "forward-mode" not in str(error):
+            raise
+        raise TypeError(
+            "ring_attention is differentiated in reverse mode only: jax.grad, jax.vjp, "
+            "jax.jacrev and jax.value_and_grad work (and jax.hessian, forward over "
+            "reverse, with kernel=\"xla\"); jax.jvp, jax.jacfwd and jax.linearize do "
+            "not, because the ring's gradients are a custom VJP (dK/dV ring home in "
+            "the backward pass). Use jax.jacrev for a Jacobian."
+        ) from error
 
 
 @eqx.filter_jit

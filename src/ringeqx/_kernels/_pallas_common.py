@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -183,3 +184,27 @@ def cost_estimate(
         transcendentals=pairs,
         bytes_accessed=int(nbytes),
     )
+
+
+def first_order(kernel: str, step, *args):
+    """`step(*args)`, a Pallas kernel's forward or backward pass: the ring's custom VJP
+    differentiates it once, and differentiating it again (`jax.grad` of `jax.grad`,
+    `jax.hessian`) raises an error that says what works, instead of an empty
+    `NotImplementedError` from inside Pallas (`pallas_call` has no derivative; issue 45)."""
+    dynamic, static = eqx.partition(args, eqx.is_array)
+
+    @jax.custom_jvp
+    def run(dynamic):
+        return step(*eqx.combine(dynamic, static))
+
+    @run.defjvp
+    def _second_derivative(primals, tangents):
+        raise NotImplementedError(
+            f"Second derivatives through {kernel} are not supported: its forward and "
+            "backward passes are Pallas kernels, which have no derivatives. First derivatives "
+            "(jax.grad, jax.vjp) work with every kernel; for second derivatives "
+            "(jax.grad of jax.grad, jax.hessian) pass kernel=ringeqx.XlaKernel() "
+            '(or kernel="xla").'
+        )
+
+    return run(dynamic)

@@ -564,6 +564,20 @@ class PallasGpuKernel(AbstractAttentionKernel):
     ) -> tuple[
         Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
     ]:
+        args = (q, k, v, q_info, kv_info, scores)
+        return common.first_order("PallasGpuKernel", self._forward, *args)
+
+    def _forward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
+    ]:
         mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
@@ -581,6 +595,25 @@ class PallasGpuKernel(AbstractAttentionKernel):
             return out[:, :, : t.q_len], lse[:, :, : t.q_len]
 
     def backward(
+        self,
+        q: Float[Array, "batch heads q_len head_dim"],
+        k: Float[Array, "batch kv_heads kv_len head_dim"],
+        v: Float[Array, "batch kv_heads kv_len head_dim"],
+        lse: Float[Array, "batch heads q_len"],
+        delta: Float[Array, "batch heads q_len"],
+        d_out: Float[Array, "batch heads q_len head_dim"],
+        q_info: TokenInfo,
+        kv_info: TokenInfo,
+        scores: Scores,
+    ) -> tuple[
+        Float[Array, "batch heads q_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+        Float[Array, "batch kv_heads kv_len head_dim"],
+    ]:
+        args = (q, k, v, lse, delta, d_out, q_info, kv_info, scores)
+        return common.first_order("PallasGpuKernel", self._backward, *args)
+
+    def _backward(
         self,
         q: Float[Array, "batch heads q_len head_dim"],
         k: Float[Array, "batch kv_heads kv_len head_dim"],

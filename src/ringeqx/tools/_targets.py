@@ -59,7 +59,7 @@ GPUS = {
 }
 
 # TPU generations libtpu describes by name: `"v5p"` for `v5p:XxYxZ` slices.
-TPUS = ("v4", "v5e", "v5p", "v6e")
+TPUS = ("v5e", "v5p", "v6e")
 
 
 def gpu_target_config(gpu: str) -> str:
@@ -144,18 +144,33 @@ def _gpu_devices(gpu: str, count: int) -> tuple:
 
 @functools.cache
 def _tpu_devices(name: str) -> tuple:
+    # libtpu lays a slice out on hosts of 2x2 chips unless told otherwise, and refuses a
+    # slice that is not whole hosts ("v5e:1x1", a single-chip v5e that Cloud TPU rents):
+    # such a slice is one host of its own shape.
+    target, topology = name.split(":")
+    parts = topology.split("x")
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(
+            f"A TPU slice is its chip count along each axis joined by 'x', e.g. "
+            f"'{target}:2x2' or '{target}:4x4x4'; got {topology!r}."
+        )
     try:
         import libtpu  # noqa: F401
     except ImportError:
         raise _needs("jax[tpu]", f"target_mesh({name!r})") from None
     from jax.experimental import topologies
 
-    # libtpu lays a slice out on hosts of 2x2 chips unless told otherwise, and refuses a
-    # slice that is not whole hosts ("v5e:1x1", a single-chip v5e that Cloud TPU rents):
-    # such a slice is one host of its own shape.
-    dims = [int(d) for d in name.split(":")[1].split("x")]
+    dims = [int(p) for p in parts]
     bounds = {} if math.prod(dims) >= 4 else {"chips_per_host_bounds": (*dims, 1, 1)[:3]}
-    return tuple(topologies.get_topology_desc(name, "tpu", **bounds).devices)
+    try:
+        return tuple(topologies.get_topology_desc(name, "tpu", **bounds).devices)
+    except jax.errors.JaxRuntimeError as error:
+        first = str(error).splitlines()[0]
+        raise ValueError(
+            f"libtpu describes no slice {name!r} ({first}). A slice of 4 chips or more "
+            f"is whole hosts of 2x2 chips (e.g. '{target}:2x4', '{target}:4x4'); one of "
+            f"fewer is a single host (e.g. '{target}:1x1', '{target}:2x1')."
+        ) from None
 
 
 def target_devices(target: str, size: int | str | None = None) -> tuple:
@@ -169,6 +184,13 @@ def target_devices(target: str, size: int | str | None = None) -> tuple:
         target, size = target.split(":", 1)
         if target in GPUS and size.isdigit():
             size = int(size)  # "h100:8": a count
+    if target == "v4":
+        raise ValueError(
+            "TPU v4 has no compile-only target: libtpu describes a v4 chip as two "
+            "TensorCores, and JAX makes a v4 mesh only of whole chips (megacore), so no "
+            "mesh can be made of them. Known TPU targets: "
+            f"{', '.join(TPUS)} (v5p has v4's 3-D torus)."
+        )
     if target in TPUS:
         if not isinstance(size, str) or not size:
             raise ValueError(
@@ -214,7 +236,8 @@ def target_mesh(
 
     **Arguments:**
 
-    - `target`: a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`) with its slice,
+    - `target`: a TPU generation (`"v5e"`, `"v5p"`, `"v6e"`; not `"v4"`, whose chips
+        libtpu describes as two devices each) with its slice,
         as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")` (a single chip too, as
         `"v5e:1x1"`); or a GPU (`"h100"`, `"h200"`,
         `"a100"`; their published figures are in `ringeqx.tools._targets.GPUS`) with a
@@ -236,6 +259,11 @@ def target_mesh(
     print(compiled.memory_analysis().temp_size_in_bytes)
     ```
     """
+    if isinstance(axis_names, str) or not all(isinstance(n, str) for n in axis_names):
+        raise TypeError(
+            "`axis_names` must be a sequence of strings, one per mesh axis, e.g. "
+            f"('sequence',); got {axis_names!r}."
+        )
     devices = target_devices(target, size)
     names = tuple(axis_names)
     shape = (len(devices),) if mesh_shape is None else tuple(int(s) for s in mesh_shape)

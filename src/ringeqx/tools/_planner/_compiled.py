@@ -239,9 +239,9 @@ def _check_state(cfg: Problem, plan: Plan) -> None:
     state = state_bytes(plan)
     if state > cfg.max_memory_usage:
         raise NoFit(
-            f"Nothing fits in max_memory_usage={cfg.max_memory_usage / _GIB:,.2f} GiB per "
+            f"Nothing fits in max_memory_usage={gib(cfg.max_memory_usage)} per "
             f"chip of {plan.target}: the parameters and Adam state alone take "
-            f"{state / _GIB:,.2f} GiB per chip, fully sharded over its "
+            f"{gib(state)} per chip, fully sharded over its "
             f"{plan.batch_devices * plan.num_devices} chips (float32), whatever the "
             "context. Add chips or shrink the model.",
             state,
@@ -287,15 +287,37 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
         if compiled.total <= cfg.max_memory_usage:
             return plan
         total = compiled.total
-        tried.append(f"remat={remat!r}: {total / _GIB:,.2f} GiB")
+        tried.append(f"remat={remat!r}: {gib(total)}")
     raise NoFit(
-        f"Nothing fits in max_memory_usage={cfg.max_memory_usage / _GIB:,.2f} GiB per chip "
-        f"of {target}: seq_len={cfg.seq_len} compiles to {'; '.join(tried)} per chip (the "
-        "compiler's bytes). Shorten the sequence, add chips, or raise max_memory_usage.",
+        f"Nothing fits in max_memory_usage={gib(cfg.max_memory_usage)} per chip of "
+        f"{target}: seq_len={cfg.seq_len} compiles to {'; '.join(tried)} per chip (the "
+        f"compiler's bytes). {_advice(cfg, total)}",
         total,
         cfg.max_memory_usage,
         seconds,
     )
+
+
+def gib(n: int) -> str:
+    """Bytes for a message: GiB to two places, or MiB / bytes where GiB would round to
+    nothing (a small budget said as "0.00 GiB")."""
+    if n >= _GIB // 100:
+        return f"{n / _GIB:,.2f} GiB"
+    if n >= 2**20 // 100:
+        return f"{n / 2**20:,.2f} MiB"
+    return f"{n:,} bytes"
+
+
+def _advice(cfg: Problem, total: int | None) -> str:
+    """What would fit: a budget up to the chip's memory only where the budget is below
+    it and the compiler did not refuse the program as larger than the chip."""
+    chip = HARDWARE[cfg.device].memory
+    advice = "Shorten the sequence or add chips"
+    if cfg.kind == "lm":
+        advice += ", or rematerialise more (`remat`)"
+    if total is not None and chip is not None and cfg.max_memory_usage < chip:
+        advice += f", or raise max_memory_usage (up to the chip's {gib(chip)})"
+    return advice + "."
 
 
 class NoFit(ValueError):

@@ -42,7 +42,6 @@ class Problem(NamedTuple):
 
 # A target's generation (as `ringeqx.tools.target_mesh` names it) -> its device profile.
 _PROFILES = {
-    "v4": "tpu-v4",
     "v5e": "tpu-v5e",
     "v5p": "tpu-v5p",
     "v6e": "tpu-v6e",
@@ -118,6 +117,12 @@ def _sizes(**given) -> dict[str, int]:
         raise ValueError(
             f"`heads` must be a multiple of `kv_heads`; got heads={sizes['heads']}, "
             f"kv_heads={sizes['kv_heads']}."
+        )
+    if sizes["seq_len"] < sizes["num_devices"]:
+        # A shard of no tokens: it reached a ZeroDivisionError after compiling (issue 45).
+        raise ValueError(
+            f"`seq_len` must be at least `num_devices` (a token for every device on the "
+            f"ring); got seq_len={sizes['seq_len']}, num_devices={sizes['num_devices']}."
         )
     if sizes["batch"] % sizes["batch_devices"] != 0:
         raise ValueError(
@@ -202,6 +207,14 @@ def problem(
         device=device,
         max_memory_usage=_budget(device, max_memory_usage),
     )
+    chip = HARDWARE[device].memory if target is not None else None
+    if chip is not None and cfg.max_memory_usage > chip:
+        # XLA:GPU only warns; a plan above the chip would be a promise it cannot keep.
+        raise ValueError(
+            f"`max_memory_usage`={cfg.max_memory_usage:,} bytes is more than a chip of "
+            f"`target` {target!r} has ({chip:,} bytes, {HARDWARE[device].name}); pass at "
+            "most that, or leave it out for the chip's memory."
+        )
     if remat is not None and remat not in REMATS:
         raise ValueError(f"`remat` must be one of {REMATS} or None; got {remat!r}.")
     if cfg.kind == "attention" and remat not in (None, "none"):

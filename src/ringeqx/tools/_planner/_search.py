@@ -122,6 +122,12 @@ def plan(
         target=target,
     )
     if target is not None:
+        if block_size is not None:
+            raise ValueError(
+                "`block_size` fixes the memory model's tile; with `target=` the target's "
+                "compiler is asked about its kernel's own tiles, so pass one or the "
+                f"other; got block_size={block_size!r} and target={target!r}."
+            )
         return compiled_search(cfg, target, remats)
     return analytic_plan(cfg, remat, block_size)
 
@@ -182,6 +188,10 @@ def longest_context(
     **Raises:** `ValueError` when not even one unit fits (at once, with nothing
     compiled, when an LM's parameters and Adam state alone exceed the budget).
     """
+    if log is not None and not callable(log):
+        raise TypeError(
+            f"`log` must be a function taking one line (e.g. print) or None; got {log!r}."
+        )
     chips = target_chips(target)
     batch_devices = check_size("batch_devices", batch_devices)
     if chips % batch_devices:
