@@ -41,7 +41,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._decode import decode_attention  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 from ringeqx.tools._hlo._parse import parse_collectives  # noqa: E402
 
 

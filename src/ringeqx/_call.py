@@ -31,10 +31,10 @@ from ._kernels._select import DeviceType, KernelName, select_kernel
 from ._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, check_ids
 from ._mesh import batch_axis, on_cpu, resolve_mesh, to_layout_order, to_original_order
-from ._numbers import check_int32
 from ._ring import RingCall, RingSettings, run
 from ._score_mods import AbstractScoreMod, check_sinks
 from ._steps import analytic_window, early_stop_error, ring_window
+from ._util._numbers import check_int32
 
 
 NO_COMPAT = dict(

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from ._masks import AbstractMask
-from ._numbers import concrete_scalar
+from ._util._numbers import concrete_scalar
 
 
 def check_mask_arg(mask) -> None:

@@ -349,7 +349,7 @@ def bench(args: argparse.Namespace) -> int:
     from jax.sharding import NamedSharding, PartitionSpec
 
     import ringeqx
-    from ringeqx._timing import median_seconds
+    from ringeqx._util._timing import median_seconds
 
     platform = _platform(args.device_type)
     mesh = _ring_mesh(args.devices, platform)

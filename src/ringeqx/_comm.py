@@ -11,8 +11,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, PyTree
 
 from . import _order as order
-from ._numbers import as_int
 from ._tokens import TokenInfo
+from ._util._numbers import as_int
 
 
 def _wire_dtype(name: str, default):

@@ -15,9 +15,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ._masks import AbstractMask, Causal, SlidingWindow
-from ._numbers import is_int
 from ._score_mods import AbstractScoreMod, Chain, lift
 from ._tokens import BlockSummary, TokenInfo
+from ._util._numbers import is_int
 
 
 class _Window(AbstractMask):

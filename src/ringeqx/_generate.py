@@ -12,9 +12,9 @@ from ._decode import error_if_together
 from ._kvcache import check_servable, inference_mesh, layer_masks
 from ._layout import Layout
 from ._mesh import batch_axis as mesh_batch_axis
-from ._numbers import as_int, check_size, concrete_scalar, is_int
 from ._strategies._base import AbstractShardingStrategy
 from ._strategies._uniform import Uniform
+from ._util._numbers import as_int, check_size, concrete_scalar, is_int
 from .nn._transformer import RingTransformerLM
 
 

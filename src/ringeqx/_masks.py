@@ -11,8 +11,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from ._numbers import as_int, shown
 from ._tokens import BlockSummary, TokenInfo
+from ._util._numbers import as_int, shown
 
 
 class AbstractMask(eqx.Module):

@@ -10,8 +10,8 @@ from jax.typing import DTypeLike
 
 from .._masks import AbstractMask, Full
 from .._score_mods import AbstractScoreMod
-from .._timing import median_seconds
 from .._tokens import TokenInfo
+from .._util._timing import median_seconds
 from ._base import AbstractAttentionKernel, Scores
 
 

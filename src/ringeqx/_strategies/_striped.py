@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from .._layout import Layout, layout_from_order
-from .._numbers import as_int, shown
 from .._tokens import Runs
+from .._util._numbers import as_int, shown
 from ._base import AbstractShardingStrategy
 from ._uniform import check_num_shards
 

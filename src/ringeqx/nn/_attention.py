@@ -16,9 +16,9 @@ from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout import Layout
 from .._masks import AbstractMask, Causal
 from .._mesh import resolve_mesh
-from .._numbers import check_bool, check_positive, check_size
 from .._score_mods import AbstractScoreMod
 from .._tokens import TokenInfo
+from .._util._numbers import check_bool, check_positive, check_size
 from ._rope import apply_rope
 
 

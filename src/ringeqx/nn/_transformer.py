@@ -25,8 +25,8 @@ from .._kvcache import (
 from .._layout import Layout, contiguous_layout
 from .._masks import check_ids
 from .._mesh import keep_on_ring
-from .._numbers import check_bool, check_size
 from .._tokens import TokenInfo
+from .._util._numbers import check_bool, check_size
 from ._attention import RingAttention
 from ._options import AttentionOptions
 

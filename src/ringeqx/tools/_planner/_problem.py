@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from ..._masks import AbstractMask, Causal
-from ..._numbers import as_int, check_size, is_int
+from ..._util._numbers import as_int, check_size, is_int
 from .._cost import float_itemsize
 from .._hardware import HARDWARE
 
