@@ -23,11 +23,12 @@ from ._kernels._select import select_kernel as select_kernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
 from ._kvcache import KVCache as KVCache
-from ._layout import (
+from ._layout._layout import (
     Layout as Layout,
     contiguous_layout as contiguous_layout,
     layout_from_order as layout_from_order,
 )
+from ._layout._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
 from ._mask_check import check_mask as check_mask
 from ._masks import (
     AbstractMask as AbstractMask,
@@ -57,7 +58,6 @@ from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
-from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
 
 
 __version__ = importlib.metadata.version("ringeqx")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
 from . import _order as order
-from ._tokens import TokenInfo
+from ._layout._tokens import TokenInfo
 
 
 def _home(chunk: int, num_shards: int) -> int:

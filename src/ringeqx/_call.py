@@ -28,7 +28,7 @@ from ._comm import AllGather, RingConfig, as_ring_config
 from ._compat import translate
 from ._kernels._base import AbstractAttentionKernel, Scores
 from ._kernels._select import DeviceType, KernelName, select_kernel
-from ._layout import Layout, contiguous_layout
+from ._layout._layout import Layout, contiguous_layout
 from ._masks import AbstractMask, Full, check_ids
 from ._mesh import batch_axis, on_cpu, resolve_mesh, to_layout_order, to_original_order
 from ._ring import RingCall, RingSettings, run

@@ -11,7 +11,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, PyTree
 
 from . import _order as order
-from ._tokens import TokenInfo
+from ._layout._tokens import TokenInfo
 from ._util._numbers import as_int
 
 

@@ -11,7 +11,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int
 
-from ._tokens import BlockSummary, TokenInfo
+from ._layout._tokens import BlockSummary, TokenInfo
 from ._util._numbers import as_int, shown
 
 

@@ -17,11 +17,11 @@ from ._balance import from_zigzag, to_zigzag
 from ._comm import RingPlan
 from ._kernels._base import Scores
 from ._kernels._xla import score_mod_grads
-from ._layout import Layout
+from ._layout._layout import Layout
+from ._layout._tokens import TokenInfo
 from ._masks import AbstractMask, block_rule
 from ._mesh import constrain
 from ._score_mods import apply_sinks
-from ._tokens import TokenInfo
 
 
 class _Sum(NamedTuple):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from ._tokens import TokenInfo
+from ._layout._tokens import TokenInfo
 from ._util._numbers import concrete_scalar
 
 

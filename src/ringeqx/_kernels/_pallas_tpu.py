@@ -12,8 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
+from .._layout._tokens import TokenInfo
 from .._masks import DENSE, MASKED
-from .._tokens import TokenInfo
 from .._util._numbers import as_int
 from . import _pallas_common as common, _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel, Scores

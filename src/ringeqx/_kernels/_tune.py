@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from .._layout._tokens import TokenInfo
 from .._masks import AbstractMask, Full
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
 from .._util._timing import median_seconds
 from ._base import AbstractAttentionKernel, Scores
 

@@ -8,7 +8,7 @@ from jaxtyping import Array, Int
 
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import KernelName
-from .._layout import Layout
+from .._layout._layout import Layout
 from .._masks import AbstractMask
 
 

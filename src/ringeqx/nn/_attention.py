@@ -13,11 +13,11 @@ from .._comm import AllGather, RingConfig, as_ring_config
 from .._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
-from .._layout import Layout
+from .._layout._layout import Layout
+from .._layout._tokens import TokenInfo
 from .._masks import AbstractMask, Causal
 from .._mesh import resolve_mesh
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
 from .._util._numbers import check_bool, check_positive, check_size
 from ._rope import apply_rope
 

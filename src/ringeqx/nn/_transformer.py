@@ -22,10 +22,10 @@ from .._kvcache import (
     replicated,
     sees_ahead,
 )
-from .._layout import Layout, contiguous_layout
+from .._layout._layout import Layout, contiguous_layout
+from .._layout._tokens import TokenInfo
 from .._masks import check_ids
 from .._mesh import keep_on_ring
-from .._tokens import TokenInfo
 from .._util._numbers import check_bool, check_size
 from ._attention import RingAttention
 from ._options import AttentionOptions

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
+from .._util._numbers import check_int32, is_int
 from ._tokens import Runs, TokenInfo
-from ._util._numbers import check_int32, is_int
 
 
 class Layout(eqx.Module):
