@@ -32,7 +32,7 @@ from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Bool
 
 import ringeqx as rx
-from ringeqx._steps import analytic_window
+from ringeqx._ring._steps import analytic_window
 
 
 HEADS, KV_HEADS, HEAD_DIM = 3, 1, 5

@@ -10,8 +10,6 @@ import importlib.metadata
 import warnings
 
 from . import nn as nn, tools as tools
-from ._call import ring_attention as ring_attention
-from ._comm import AllGather as AllGather, RingConfig as RingConfig
 from ._generate import generate as generate
 from ._kernels._base import (
     AbstractAttentionKernel as AbstractAttentionKernel,
@@ -43,14 +41,16 @@ from ._masks import (
     SlidingWindow as SlidingWindow,
     TileLocal as TileLocal,
 )
-from ._reference import reference_attention as reference_attention
+from ._ring._call import ring_attention as ring_attention
+from ._ring._comm import AllGather as AllGather, RingConfig as RingConfig
+from ._ring._reference import reference_attention as reference_attention
+from ._ring._steps import num_ring_steps as num_ring_steps
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,
     ALiBi as ALiBi,
     Chain as Chain,
     Softcap as Softcap,
 )
-from ._steps import num_ring_steps as num_ring_steps
 from ._strategies._base import AbstractShardingStrategy as AbstractShardingStrategy
 from ._strategies._boundary import Boundary as Boundary
 from ._strategies._modality import ModalityAware as ModalityAware

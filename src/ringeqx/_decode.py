@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._kernels._base import AbstractAttentionKernel, Scores
 from ._layout._tokens import TokenInfo
 from ._masks import AbstractMask
-from ._mesh import place
+from ._ring._mesh import place
 from ._score_mods import AbstractScoreMod, apply_sinks
 
 

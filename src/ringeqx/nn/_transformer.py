@@ -25,7 +25,7 @@ from .._kvcache import (
 from .._layout._layout import Layout, contiguous_layout
 from .._layout._tokens import TokenInfo
 from .._masks import check_ids
-from .._mesh import keep_on_ring
+from .._ring._mesh import keep_on_ring
 from .._util._numbers import check_bool, check_size
 from ._attention import RingAttention
 from ._options import AttentionOptions

@@ -14,7 +14,7 @@ from .._kernels._tiling import tile_info
 from .._layout._layout import Layout
 from .._layout._tokens import BlockSummary, TokenInfo
 from .._masks import AbstractMask, block_rule
-from .._steps import ring_window
+from .._ring._steps import ring_window
 
 
 def _ratio(work: Float[Array, "steps shards"]) -> Float[Array, ""]:
