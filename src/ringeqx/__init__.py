@@ -10,7 +10,8 @@ import importlib.metadata
 import warnings
 
 from . import nn as nn, tools as tools
-from ._generate import generate as generate
+from ._inference._generate import generate as generate
+from ._inference._kvcache import KVCache as KVCache
 from ._kernels._base import (
     AbstractAttentionKernel as AbstractAttentionKernel,
     Scores as Scores,
@@ -20,7 +21,6 @@ from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
-from ._kvcache import KVCache as KVCache
 from ._layout._layout import (
     Layout as Layout,
     contiguous_layout as contiguous_layout,

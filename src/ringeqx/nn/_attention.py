@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._decode import decode_attention
+from .._inference._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout._layout import Layout

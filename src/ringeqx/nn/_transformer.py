@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._decode import errors_if_together
-from .._kvcache import (
+from .._inference._decode import errors_if_together
+from .._inference._kvcache import (
     KVCache,
     cache_capacity,
     check_devices,
