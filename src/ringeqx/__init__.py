@@ -27,19 +27,15 @@ from ._layout._layout import (
     layout_from_order as layout_from_order,
 )
 from ._layout._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
-from ._mask_check import check_mask as check_mask
-from ._masks import (
-    AbstractMask as AbstractMask,
-    And as And,
-    BidirectionalSpans as BidirectionalSpans,
-    BlockSparse as BlockSparse,
+from ._masks._base import AbstractMask as AbstractMask, And as And, Or as Or, TileLocal as TileLocal
+from ._masks._block_sparse import BlockSparse as BlockSparse
+from ._masks._check import check_mask as check_mask
+from ._masks._ids import BidirectionalSpans as BidirectionalSpans, Document as Document
+from ._masks._positional import (
     Causal as Causal,
-    Document as Document,
     Full as Full,
-    Or as Or,
     PrefixLM as PrefixLM,
     SlidingWindow as SlidingWindow,
-    TileLocal as TileLocal,
 )
 from ._ring._call import ring_attention as ring_attention
 from ._ring._comm import AllGather as AllGather, RingConfig as RingConfig

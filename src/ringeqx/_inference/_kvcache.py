@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._layout._layout import Layout
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
 from .._ring._mesh import place, resolve_mesh
 
 

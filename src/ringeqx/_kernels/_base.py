@@ -6,7 +6,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Float
 
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
 from .._score_mods import AbstractScoreMod
 
 

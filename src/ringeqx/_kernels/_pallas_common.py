@@ -13,7 +13,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array
 
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask, TileLocal
+from .._masks._base import AbstractMask, TileLocal
 from .._score_mods import AbstractScoreMod
 from . import _pallas_tiles as tiles
 

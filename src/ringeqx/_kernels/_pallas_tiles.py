@@ -23,7 +23,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Bool, Int
 
 from .._layout._tokens import BlockSummary, TokenInfo
-from .._masks import DENSE, MASKED, AbstractMask, TileLocal, tile_branch
+from .._masks._base import DENSE, MASKED, AbstractMask, TileLocal, tile_branch
 from .._score_mods import AbstractScoreMod
 from ._tiling import (
     RECORD_FIELDS as RECORD_FIELDS,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
 from .._layout._tokens import BlockSummary, TokenInfo
-from .._masks import AbstractMask, tile_branch
+from .._masks._base import AbstractMask, tile_branch
 from .._score_mods import AbstractScoreMod
 from .._util._numbers import as_int, shown
 from ._base import AbstractAttentionKernel, Scores

@@ -16,7 +16,7 @@ from .._kernels._base import Scores
 from .._kernels._xla import score_mod_grads
 from .._layout._layout import Layout
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask, block_rule
+from .._masks._base import AbstractMask, block_rule
 from .._score_mods import apply_sinks
 from . import _order as order
 from ._balance import from_zigzag, to_zigzag

@@ -26,7 +26,9 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int
 from .._kernels._base import AbstractAttentionKernel, Scores
 from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout._layout import Layout, contiguous_layout
-from .._masks import AbstractMask, Full, check_ids
+from .._masks._base import AbstractMask
+from .._masks._positional import Full
+from .._masks._reads import check_ids
 from .._score_mods import AbstractScoreMod, check_sinks
 from .._util._numbers import check_int32
 from ._algorithm import RingCall, RingSettings, run

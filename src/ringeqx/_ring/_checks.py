@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
 from .._util._numbers import concrete_scalar
 
 

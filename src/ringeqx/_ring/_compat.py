@@ -15,7 +15,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._layout._tokens import BlockSummary, TokenInfo
-from .._masks import AbstractMask, Causal, SlidingWindow
+from .._masks._base import AbstractMask
+from .._masks._positional import Causal, SlidingWindow
 from .._score_mods import AbstractScoreMod, Chain, lift
 from .._util._numbers import is_int
 

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from .._layout._layout import Layout
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
 from .._score_mods import AbstractScoreMod
 from ._call import NO_COMPAT, Attention, input_order, resolve_attention
 

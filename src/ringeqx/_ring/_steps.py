@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool
 
 from .._layout._layout import Layout
 from .._layout._tokens import BlockSummary, TokenInfo
-from .._masks import AbstractMask, block_rule
+from .._masks._base import AbstractMask, block_rule
 
 
 def analytic_window(mask: AbstractMask, layout: Layout) -> tuple[int, int]:

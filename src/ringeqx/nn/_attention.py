@@ -12,7 +12,8 @@ from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
 from .._layout._layout import Layout
 from .._layout._tokens import TokenInfo
-from .._masks import AbstractMask, Causal
+from .._masks._base import AbstractMask
+from .._masks._positional import Causal
 from .._ring._call import ring_attention
 from .._ring._checks import check_mask_arg
 from .._ring._comm import AllGather, RingConfig, as_ring_config

@@ -7,7 +7,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
 from .._ring._comm import AllGather, RingConfig
 from .._score_mods import AbstractScoreMod
 from ._attention import RingAttention, check_options

@@ -24,7 +24,7 @@ from .._inference._kvcache import (
 )
 from .._layout._layout import Layout, contiguous_layout
 from .._layout._tokens import TokenInfo
-from .._masks import check_ids
+from .._masks._reads import check_ids
 from .._ring._mesh import keep_on_ring
 from .._util._numbers import check_bool, check_size
 from ._attention import RingAttention

@@ -13,7 +13,7 @@ from .._kernels._select import KernelName, select_kernel
 from .._kernels._tiling import tile_info
 from .._layout._layout import Layout
 from .._layout._tokens import BlockSummary, TokenInfo
-from .._masks import AbstractMask, block_rule
+from .._masks._base import AbstractMask, block_rule
 from .._ring._steps import ring_window
 
 
