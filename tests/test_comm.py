@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_close, mesh, packed_segments, qkv
 
 import ringeqx as rx
-from ringeqx._cli import main as cli_main
+from ringeqx._cli._main import main as cli_main
 
 
 HEADS, KV_HEADS, HEAD_DIM, CAP = 6, 2, 5, 8
