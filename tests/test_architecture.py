@@ -262,3 +262,27 @@ def test_no_module_takes_another_modules_private_names():
         for use in _private_uses(name, path.read_text(), path.name == "__init__.py", modules)
     ]
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# A newcomer places any file from the folder names and docs/design.md's tree: the package's
+# top level stays small (issue 44), each entry one concept, and the tree names every one.
+MAX_TOP_LEVEL = 15
+
+
+def _top_level() -> list[str]:
+    return sorted(p.name for p in (SRC / PACKAGE).iterdir() if p.name != "__pycache__")
+
+
+def test_the_package_has_at_most_15_top_level_entries():
+    top = _top_level()
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} entries in src/{PACKAGE}/: {top}"
+
+
+def test_the_design_doc_draws_every_top_level_entry_and_module():
+    design = (SRC.parent / "docs" / "design.md").read_text()
+    missing = [name for name in _top_level() if name != "py.typed" and name not in design]
+    assert not missing, f"docs/design.md's tree does not name {missing}"
+    # Every module of the core's folders too, by file name, so the tree is the real map.
+    for folder in ("_ring", "_masks", "_layout", "_inference", "_cli", "_util"):
+        for path in sorted((SRC / PACKAGE / folder).glob("_*.py")):
+            assert path.name in design, f"docs/design.md's tree does not name {folder}/{path.name}"

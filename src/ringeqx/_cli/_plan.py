@@ -77,7 +77,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 # Device profiles of `ringeqx plan --profile` (the keys of ringeqx.tools.HARDWARE, written here
-# so that parsing imports no JAX; tests/test_cli.py checks they agree).
+# so that parsing imports no JAX; tests/test_plan.py checks they agree).
 PROFILES = (
     "a100-nvlink",
     "a100-infiniband",

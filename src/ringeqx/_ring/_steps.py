@@ -1,7 +1,7 @@
 """How many ring steps run: the rule the ring follows and the schedule counts.
 
-It sits below both `_ring` and `_schedule`, so that the schedule reads the ring's own
-rule without importing the ring.
+It sits below both the ring (`_algorithm`) and `tools/_schedule`, so that the schedule
+reads the ring's own rule without importing the ring.
 """
 
 import contextlib
