@@ -1,8 +1,6 @@
 """What the commands print: a line, a numbered step, a size in MiB."""
 
 
-
-
 def say(message: str) -> None:
     print(message, flush=True)
 

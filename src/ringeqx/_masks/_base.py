@@ -228,6 +228,7 @@ def tile_branch(
 
 
 def blocks_shape(q: BlockSummary, k: BlockSummary) -> tuple[int, ...]:
+    """The broadcast shape of two stacks of block summaries: a block rule's answer's."""
     return jnp.broadcast_shapes(q.pos_min.shape, k.pos_min.shape)
 
 
