@@ -3,7 +3,7 @@
 Three ways to attend one new token's query to a KV cache of `N` tokens sharded over `P`
 (fake CPU) devices, one attention layer, each compiled once:
 
-- **ringeqx** (`ringeqx._decode.decode_attention`, what `RingTransformerLM.decode` runs):
+- **ringeqx** (`ringeqx._inference._decode.decode_attention`, what `RingTransformerLM.decode` runs):
   every device attends to its own slots, and the partial `(out, lse)` are merged by one
   `pmax` and one `psum` (the log-sum-exp merge; a reduction tree of `log P` steps).
 - **all-gather**: every device gathers the whole cache (`all_gather`) and attends to it
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._decode import decode_attention  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._inference._decode import decode_attention  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 from ringeqx.tools._hlo._parse import parse_collectives  # noqa: E402
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from _splash import splash_kernel
 
 import ringeqx as rx
-from ringeqx._timing import median_seconds
+from ringeqx._util._timing import median_seconds
 
 
 def records(batch: int, length: int, doc: int) -> rx.TokenInfo:

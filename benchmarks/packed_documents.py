@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 
 
 def _segments(n: int, low: int, high: int) -> jax.Array:

@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 from ringeqx.tools._hlo._trace import op_kinds, op_times  # noqa: E402
 
 

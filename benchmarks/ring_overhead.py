@@ -47,8 +47,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
-from ringeqx._tokens import TokenInfo  # noqa: E402
+from ringeqx._layout._tokens import TokenInfo  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 
 
 def _ring(mesh, kernel):

@@ -81,7 +81,7 @@ jax.lib.xla_bridge = jax._src.xla_bridge  # type: ignore[attr-defined]
 import ringattention  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 
 
 def log(message: str) -> None:

@@ -39,7 +39,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
 import ringeqx as rx  # noqa: E402
 from ringeqx._kernels._base import AbstractAttentionKernel  # noqa: E402
-from ringeqx._timing import median_seconds  # noqa: E402
+from ringeqx._util._timing import median_seconds  # noqa: E402
 
 
 class _SplitTiles(AbstractAttentionKernel):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import ringeqx as rx
-from ringeqx._timing import median_seconds
+from ringeqx._util._timing import median_seconds
 
 
 def main():

@@ -12,8 +12,10 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "ringeqx"
 
-# Below the strategies: a strategy produces a Layout, and these never see one.
-NO_STRATEGY = ("_ring", "_steps", "_kernels", "_masks", "_layout", "_tokens", "_score_mods")
+# Below the strategies: a strategy produces a Layout, and these never see one. A folder
+# stands for every module in it (`_layout` holds the token records too, `_ring` the front
+# door, the ring's steps and the algorithm).
+NO_STRATEGY = ("_ring", "_kernels", "_masks", "_layout", "_score_mods")
 MAX_LINES = 80
 
 
@@ -100,13 +102,13 @@ def test_the_graph_is_read_correctly():
     graph = _graph()
     # Relative imports of both forms, from a package and from a module, and one made
     # inside a function body would all be edges.
-    assert "ringeqx._masks" in graph["ringeqx._kernels._xla"]
+    assert "ringeqx._masks._base" in graph["ringeqx._kernels._xla"]
     assert "ringeqx._kernels._pallas_tiles" in graph["ringeqx._kernels._pallas_gpu"]
     assert "ringeqx.nn" in graph["ringeqx"]
-    assert "ringeqx._steps" in graph["ringeqx.tools._schedule"]
-    source = "def f():\n    from .._ring import ring_attention\n"
+    assert "ringeqx._ring._steps" in graph["ringeqx.tools._schedule"]
+    source = "def f():\n    from .._ring._call import ring_attention\n"
     found = _imports("ringeqx._kernels._made_up", source, False, _modules())
-    assert found == {"ringeqx._ring"}
+    assert found == {"ringeqx._ring._call"}
     # The cycle this test was written against: the schedule importing the ring inside a
     # function, the ring importing a strategy, the strategies' base the schedule.
     old = {
@@ -141,8 +143,9 @@ def test_parts_below_the_strategies_import_none(part):
 
 
 # The tools wing (`ringeqx.tools`) answers questions about programs; the core is what
-# ring attention and the layers need. These three stand outside both: the package's
-# front (it exports `tools`), and the command line (its verbs are tools).
+# ring attention and the layers need. These stand outside both: the package's front (it
+# exports `tools`), and the command line, `__main__` and every module of `_cli/` (its verbs
+# are tools).
 OUTSIDE_CORE = ("ringeqx", "ringeqx.__main__", "ringeqx._cli")
 TOOLS = f"{PACKAGE}.tools"
 # Deprecated aliases that reach a tool from the core, each imported inside the function
@@ -155,10 +158,15 @@ def _is_tool(name: str) -> bool:
     return name == TOOLS or name.startswith(TOOLS + ".")
 
 
+def _is_outside_core(name: str) -> bool:
+    return name in OUTSIDE_CORE or name.startswith(f"{PACKAGE}._cli.")
+
+
 def test_the_core_never_imports_the_tools():
     graph = _graph()
-    core = [m for m in graph if not _is_tool(m) and m not in OUTSIDE_CORE]
-    assert "ringeqx._ring" in core and "ringeqx.nn._transformer" in core
+    core = [m for m in graph if not (_is_tool(m) or _is_outside_core(m))]
+    assert "ringeqx._ring._algorithm" in core and "ringeqx.nn._transformer" in core
+    assert "ringeqx._cli._plan" not in core and "ringeqx._cli" not in core
     found = sorted(
         f"{name} imports {tool}"
         for name in core
@@ -254,3 +262,27 @@ def test_no_module_takes_another_modules_private_names():
         for use in _private_uses(name, path.read_text(), path.name == "__init__.py", modules)
     ]
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# A newcomer places any file from the folder names and docs/design.md's tree: the package's
+# top level stays small (issue 44), each entry one concept, and the tree names every one.
+MAX_TOP_LEVEL = 15
+
+
+def _top_level() -> list[str]:
+    return sorted(p.name for p in (SRC / PACKAGE).iterdir() if p.name != "__pycache__")
+
+
+def test_the_package_has_at_most_15_top_level_entries():
+    top = _top_level()
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} entries in src/{PACKAGE}/: {top}"
+
+
+def test_the_design_doc_draws_every_top_level_entry_and_module():
+    design = (SRC.parent / "docs" / "design.md").read_text()
+    missing = [name for name in _top_level() if name != "py.typed" and name not in design]
+    assert not missing, f"docs/design.md's tree does not name {missing}"
+    # Every module of the core's folders too, by file name, so the tree is the real map.
+    for folder in ("_ring", "_masks", "_layout", "_inference", "_cli", "_util"):
+        for path in sorted((SRC / PACKAGE / folder).glob("_*.py")):
+            assert path.name in design, f"docs/design.md's tree does not name {folder}/{path.name}"

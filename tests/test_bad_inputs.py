@@ -29,7 +29,7 @@ import pytest
 from helpers import mesh, qkv
 
 import ringeqx as rx
-from ringeqx._numbers import check_int32
+from ringeqx._util._numbers import check_int32
 
 
 SEQ, HEADS, DIM = 16, 2, 8

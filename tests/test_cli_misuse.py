@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import AxisType
 
 import ringeqx as rx
-from ringeqx._cli import main
+from ringeqx._cli._main import main
 from ringeqx.tools._hlo._parse import collectives, module, parse_collectives
 
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_close, mesh, packed_segments, qkv
 
 import ringeqx as rx
-from ringeqx._cli import main as cli_main
+from ringeqx._cli._main import main as cli_main
 
 
 HEADS, KV_HEADS, HEAD_DIM, CAP = 6, 2, 5, 8
@@ -761,7 +761,7 @@ def test_wire_packs_records_and_compressed_kv_into_few_arrays(dtype):
     # XLA's TPU scheduler keeps at most five permutes in flight over a kernel, so a ring
     # step's K, V and records must travel as at most three arrays, and decode exactly
     # what a cast to the wire dtype keeps.
-    from ringeqx._comm import from_wire, to_wire
+    from ringeqx._ring._comm import from_wire, to_wire
 
     k = jax.random.normal(jax.random.key(0), (1, 2, 8, 4), jnp.float32) * 300
     v = jax.random.normal(jax.random.key(1), (1, 2, 8, 4), jnp.float32)

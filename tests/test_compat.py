@@ -83,7 +83,7 @@ def test_matches_dot_product_attention(n):
 
 
 def test_window_translations():
-    from ringeqx._compat import _Window, _window_mask
+    from ringeqx._ring._compat import _Window, _window_mask
 
     assert _window_mask(False, (4, 0)) == rx.SlidingWindow(5)
     assert _window_mask(False, 2) == rx.SlidingWindow(3, two_sided=True)

@@ -11,7 +11,7 @@ import pytest
 from helpers import CausalSameDocument, OnlyWithinSpans, mesh, qkv
 
 import ringeqx as rx
-from ringeqx._checks import check_qkv as _check_qkv
+from ringeqx._ring._checks import check_qkv as _check_qkv
 
 
 def _call(q, k, v, **kw):

@@ -12,8 +12,8 @@ import pytest
 from helpers import assert_close, mesh
 
 import ringeqx as rx
-from ringeqx._cli import main as cli_main
-from ringeqx._generate import _arguments, _generate
+from ringeqx._cli._main import main as cli_main
+from ringeqx._inference._generate import _arguments, _generate
 from ringeqx.tools._hlo._parse import parse_collectives
 
 

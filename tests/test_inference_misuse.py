@@ -11,7 +11,7 @@ import pytest
 from helpers import mesh
 
 import ringeqx as rx
-from ringeqx._generate import _arguments
+from ringeqx._inference._generate import _arguments
 
 
 VOCAB, SEQ = 11, 6

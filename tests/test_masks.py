@@ -32,7 +32,7 @@ from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Bool
 
 import ringeqx as rx
-from ringeqx._steps import analytic_window
+from ringeqx._ring._steps import analytic_window
 
 
 HEADS, KV_HEADS, HEAD_DIM = 3, 1, 5
@@ -608,7 +608,7 @@ def test_reads_follows_calls_and_is_conservative_elsewhere():
     # What a mask reads comes from a liveness pass over the traced rule (public
     # jax.extend.core API, no private JAX): records only a dead branch touches are not
     # read, a `jax.jit` inside the rule is followed, and an effect keeps its inputs.
-    from ringeqx._masks import _dependence
+    from ringeqx._masks._reads import _dependence
 
     rec = [jax.ShapeDtypeStruct((3,), jnp.int32)] * 3
     tree = jax.tree.structure(None)

@@ -3,7 +3,7 @@
 XLA:CPU runs independent operations concurrently and keys a collective's rendezvous by
 a channel id that JAX sets to 1 for all of them, so two collectives that do not depend
 on each other could meet each other's on other devices: swapped buffers, or the process
-aborting. The ring chains its collectives by data (`ringeqx._order`). These tests read
+aborting. The ring chains its collectives by data (`ringeqx._ring._order`). These tests read
 the compiled CPU program: in every computation, of any two collectives (or loops and
 calls holding collectives) one must depend on the other, which gives every device the
 same order whatever XLA:CPU runs concurrently. The old ring fails them (independent
@@ -21,7 +21,7 @@ from helpers import mesh
 from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec
 
 import ringeqx as rx
-from ringeqx._mesh import on_cpu
+from ringeqx._ring._mesh import on_cpu
 from ringeqx.tools._hlo._parse import called_computations, module
 
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import ringeqx as rx
-from ringeqx._cli import PROFILES, main
+from ringeqx._cli._main import main
+from ringeqx._cli._plan import PROFILES
 from ringeqx.tools._planner._model import headroom
 
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 
 import ringeqx as rx
-from ringeqx._cli import main as cli_main
+from ringeqx._cli._main import main as cli_main
 
 
 def test_profile_program_dumps_traces_and_attributes_collectives(tmp_path):

@@ -10,9 +10,8 @@ import importlib.metadata
 import warnings
 
 from . import nn as nn, tools as tools
-from ._call import ring_attention as ring_attention
-from ._comm import AllGather as AllGather, RingConfig as RingConfig
-from ._generate import generate as generate
+from ._inference._generate import generate as generate
+from ._inference._kvcache import KVCache as KVCache
 from ._kernels._base import (
     AbstractAttentionKernel as AbstractAttentionKernel,
     Scores as Scores,
@@ -22,34 +21,32 @@ from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
-from ._kvcache import KVCache as KVCache
-from ._layout import (
+from ._layout._layout import (
     Layout as Layout,
     contiguous_layout as contiguous_layout,
     layout_from_order as layout_from_order,
 )
-from ._mask_check import check_mask as check_mask
-from ._masks import (
-    AbstractMask as AbstractMask,
-    And as And,
-    BidirectionalSpans as BidirectionalSpans,
-    BlockSparse as BlockSparse,
+from ._layout._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
+from ._masks._base import AbstractMask as AbstractMask, And as And, Or as Or, TileLocal as TileLocal
+from ._masks._block_sparse import BlockSparse as BlockSparse
+from ._masks._check import check_mask as check_mask
+from ._masks._ids import BidirectionalSpans as BidirectionalSpans, Document as Document
+from ._masks._positional import (
     Causal as Causal,
-    Document as Document,
     Full as Full,
-    Or as Or,
     PrefixLM as PrefixLM,
     SlidingWindow as SlidingWindow,
-    TileLocal as TileLocal,
 )
-from ._reference import reference_attention as reference_attention
+from ._ring._call import ring_attention as ring_attention
+from ._ring._comm import AllGather as AllGather, RingConfig as RingConfig
+from ._ring._reference import reference_attention as reference_attention
+from ._ring._steps import num_ring_steps as num_ring_steps
 from ._score_mods import (
     AbstractScoreMod as AbstractScoreMod,
     ALiBi as ALiBi,
     Chain as Chain,
     Softcap as Softcap,
 )
-from ._steps import num_ring_steps as num_ring_steps
 from ._strategies._base import AbstractShardingStrategy as AbstractShardingStrategy
 from ._strategies._boundary import Boundary as Boundary
 from ._strategies._modality import ModalityAware as ModalityAware
@@ -57,7 +54,6 @@ from ._strategies._striped import Striped as Striped
 from ._strategies._uniform import Uniform as Uniform
 from ._strategies._work_balanced import WorkBalanced as WorkBalanced
 from ._strategies._zigzag import Zigzag as Zigzag
-from ._tokens import BlockSummary as BlockSummary, Runs as Runs, TokenInfo as TokenInfo
 
 
 __version__ = importlib.metadata.version("ringeqx")

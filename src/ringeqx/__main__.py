@@ -2,7 +2,7 @@
 
 import sys
 
-from ._cli import main
+from ._cli._main import main
 
 
 # Guarded so that importing the module (the docs build inspects every module) runs nothing.

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from ._numbers import concrete_scalar
-from ._tokens import TokenInfo
+from ._layout._tokens import TokenInfo
+from ._util._numbers import concrete_scalar
 
 
 class AbstractScoreMod(eqx.Module):

@@ -5,9 +5,9 @@ import abc
 import equinox as eqx
 from jaxtyping import Array, Bool, Float
 
-from .._masks import AbstractMask
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
 
 
 class Scores(eqx.Module):

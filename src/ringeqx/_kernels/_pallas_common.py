@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array
 
-from .._masks import AbstractMask, TileLocal
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask, TileLocal
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
 from . import _pallas_tiles as tiles
 
 

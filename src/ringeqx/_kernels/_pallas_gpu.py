@@ -12,8 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float
 
-from .._numbers import as_int
-from .._tokens import TokenInfo
+from .._layout._tokens import TokenInfo
+from .._util._numbers import as_int
 from . import _pallas_common as common, _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel, Scores
 

@@ -22,9 +22,9 @@ from jax.experimental import pallas as pl
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, Bool, Int
 
-from .._masks import DENSE, MASKED, AbstractMask, TileLocal, tile_branch
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import DENSE, MASKED, AbstractMask, TileLocal, tile_branch
 from .._score_mods import AbstractScoreMod
-from .._tokens import BlockSummary, TokenInfo
 from ._tiling import (
     RECORD_FIELDS as RECORD_FIELDS,
     Softmax as Softmax,

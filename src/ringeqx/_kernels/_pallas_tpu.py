@@ -12,9 +12,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
-from .._masks import DENSE, MASKED
-from .._numbers import as_int
-from .._tokens import TokenInfo
+from .._layout._tokens import TokenInfo
+from .._masks._base import DENSE, MASKED
+from .._util._numbers import as_int
 from . import _pallas_common as common, _pallas_tiles as tiles
 from ._base import AbstractAttentionKernel, Scores
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._tokens import TokenInfo
+from .._layout._tokens import TokenInfo
 
 
 # Row order of the int32 token records that the Pallas kernels receive, and the value a

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from .._masks import AbstractMask, Full
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
+from .._masks._positional import Full
 from .._score_mods import AbstractScoreMod
-from .._timing import median_seconds
-from .._tokens import TokenInfo
+from .._util._timing import median_seconds
 from ._base import AbstractAttentionKernel, Scores
 
 

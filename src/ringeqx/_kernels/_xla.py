@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PyTree
 
-from .._masks import AbstractMask, tile_branch
-from .._numbers import as_int, shown
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import AbstractMask, tile_branch
 from .._score_mods import AbstractScoreMod
-from .._tokens import BlockSummary, TokenInfo
+from .._util._numbers import as_int, shown
 from ._base import AbstractAttentionKernel, Scores
 from ._tiling import Softmax, pad_axis, tile_info
 

@@ -8,8 +8,8 @@ from jaxtyping import Array, Int
 
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import KernelName
-from .._layout import Layout
-from .._masks import AbstractMask
+from .._layout._layout import Layout
+from .._masks._base import AbstractMask
 
 
 class AbstractShardingStrategy(eqx.Module):

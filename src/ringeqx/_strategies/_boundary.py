@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
-from .._layout import Layout, layout_from_order
-from .._numbers import as_int
-from .._tokens import Runs
+from .._layout._layout import Layout, layout_from_order
+from .._layout._tokens import Runs
+from .._util._numbers import as_int
 from ._base import AbstractShardingStrategy
 from ._placement import balanced_cuts, is_traced, order_from_pieces, snap_cuts
 from ._uniform import check_num_shards

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._layout import Layout, check_id_array, layout_from_order
-from .._numbers import as_int
-from .._tokens import Runs
+from .._layout._layout import Layout, check_id_array, layout_from_order
+from .._layout._tokens import Runs
+from .._util._numbers import as_int
 from ._base import AbstractShardingStrategy
 from ._placement import (
     balanced_cuts,

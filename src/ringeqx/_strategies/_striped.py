@@ -6,9 +6,9 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from .._layout import Layout, layout_from_order
-from .._numbers import as_int, shown
-from .._tokens import Runs
+from .._layout._layout import Layout, layout_from_order
+from .._layout._tokens import Runs
+from .._util._numbers import as_int, shown
 from ._base import AbstractShardingStrategy
 from ._uniform import check_num_shards
 

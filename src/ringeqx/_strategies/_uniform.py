@@ -2,8 +2,8 @@
 
 from jaxtyping import Array, Int
 
-from .._layout import Layout, contiguous_layout
-from .._numbers import check_int32, is_int, shown
+from .._layout._layout import Layout, contiguous_layout
+from .._util._numbers import check_int32, is_int, shown
 from ._base import AbstractShardingStrategy
 
 

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._layout import Layout, check_id_array, layout_from_order
-from .._numbers import as_int, shown
-from .._tokens import Runs
+from .._layout._layout import Layout, check_id_array, layout_from_order
+from .._layout._tokens import Runs
+from .._util._numbers import as_int, shown
 from ._base import AbstractShardingStrategy
 from ._placement import runs
 from ._uniform import check_num_shards

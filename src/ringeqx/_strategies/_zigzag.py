@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._layout import Layout, layout_from_order
-from .._tokens import Runs
+from .._layout._layout import Layout, layout_from_order
+from .._layout._tokens import Runs
 from ._base import AbstractShardingStrategy
 from ._placement import balanced_cuts, order_from_pieces, zigzag_pieces
 from ._uniform import check_num_shards

@@ -7,18 +7,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._call import ring_attention
-from .._checks import check_mask_arg
-from .._comm import AllGather, RingConfig, as_ring_config
-from .._decode import decode_attention
+from .._inference._decode import decode_attention
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName, select_kernel
-from .._layout import Layout
-from .._masks import AbstractMask, Causal
-from .._mesh import resolve_mesh
-from .._numbers import check_bool, check_positive, check_size
+from .._layout._layout import Layout
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
+from .._masks._positional import Causal
+from .._ring._call import ring_attention
+from .._ring._checks import check_mask_arg
+from .._ring._comm import AllGather, RingConfig, as_ring_config
+from .._ring._mesh import resolve_mesh
 from .._score_mods import AbstractScoreMod
-from .._tokens import TokenInfo
+from .._util._numbers import check_bool, check_positive, check_size
 from ._precision import Precision, check_precision
 from ._rope import apply_rope
 

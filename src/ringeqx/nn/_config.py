@@ -2,7 +2,7 @@
 
 import equinox as eqx
 
-from .._numbers import check_bool, check_positive, check_size
+from .._util._numbers import check_bool, check_positive, check_size
 from ._mlp import MLPName
 
 

@@ -5,10 +5,10 @@ import dataclasses
 import equinox as eqx
 from jaxtyping import PRNGKeyArray
 
-from .._comm import AllGather, RingConfig
 from .._kernels._base import AbstractAttentionKernel
 from .._kernels._select import DeviceType, KernelName
-from .._masks import AbstractMask
+from .._masks._base import AbstractMask
+from .._ring._comm import AllGather, RingConfig
 from .._score_mods import AbstractScoreMod
 from ._attention import RingAttention, check_options
 from ._precision import Precision

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from .._decode import errors_if_together
-from .._kvcache import (
+from .._inference._decode import errors_if_together
+from .._inference._kvcache import (
     KVCache,
     cache_capacity,
     check_devices,
@@ -23,11 +23,11 @@ from .._kvcache import (
     replicated,
     sees_ahead,
 )
-from .._layout import Layout, contiguous_layout
-from .._masks import check_ids
-from .._mesh import keep_on_ring
-from .._numbers import check_bool, check_size
-from .._tokens import TokenInfo
+from .._layout._layout import Layout, contiguous_layout
+from .._layout._tokens import TokenInfo
+from .._masks._reads import check_ids
+from .._ring._mesh import keep_on_ring
+from .._util._numbers import check_bool, check_size
 from ._attention import RingAttention
 from ._config import LMConfig
 from ._mlp import AbstractMLP, GeluMLP, MLPName, build_mlp

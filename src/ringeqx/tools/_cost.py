@@ -7,7 +7,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from .._numbers import as_int, as_number, check_positive, check_size
+from .._util._numbers import as_int, as_number, check_positive, check_size
 from ._hardware import HARDWARE, Hardware
 
 

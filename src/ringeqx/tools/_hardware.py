@@ -4,7 +4,7 @@ communication report."""
 
 import equinox as eqx
 
-from .._numbers import as_int, as_number, check_positive, check_size
+from .._util._numbers import as_int, as_number, check_positive, check_size
 
 
 class Hardware(eqx.Module):

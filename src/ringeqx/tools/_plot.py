@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .._layout import Layout
+from .._layout._layout import Layout
 from ._schedule import Schedule
 
 

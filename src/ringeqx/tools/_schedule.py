@@ -11,10 +11,10 @@ from .._kernels._base import AbstractAttentionKernel
 from .._kernels._pallas_gpu import PallasGpuKernel
 from .._kernels._select import KernelName, select_kernel
 from .._kernels._tiling import tile_info
-from .._layout import Layout
-from .._masks import AbstractMask, block_rule
-from .._steps import ring_window
-from .._tokens import BlockSummary, TokenInfo
+from .._layout._layout import Layout
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import AbstractMask, block_rule
+from .._ring._steps import ring_window
 
 
 def _ratio(work: Float[Array, "steps shards"]) -> Float[Array, ""]:

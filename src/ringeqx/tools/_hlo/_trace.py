@@ -16,7 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from ..._timing import median_seconds
+from ..._util._timing import median_seconds
 from ._parse import COLLECTIVES
 
 

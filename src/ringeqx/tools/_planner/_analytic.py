@@ -6,8 +6,9 @@ import jax.numpy as jnp
 
 from ..._kernels._pallas_gpu import PallasGpuKernel
 from ..._kernels._pallas_tpu import PallasTpuKernel
-from ..._masks import AbstractMask, Full
-from ..._steps import ring_window
+from ..._masks._base import AbstractMask
+from ..._masks._positional import Full
+from ..._ring._steps import ring_window
 from ..._strategies._base import AbstractShardingStrategy
 from ..._strategies._zigzag import Zigzag
 from ._model import (

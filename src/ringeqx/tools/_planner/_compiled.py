@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..._call import ring_attention
+from ..._ring._call import ring_attention
 from .._cost import RingCost
 from .._hardware import HARDWARE
 from .._hlo._overlap import ring_overlap

@@ -9,7 +9,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ..._kernels._xla import XlaKernel
-from ..._masks import AbstractMask
+from ..._masks._base import AbstractMask
 from ..._strategies._base import AbstractShardingStrategy
 from ..._strategies._uniform import Uniform
 from ..._strategies._work_balanced import WorkBalanced

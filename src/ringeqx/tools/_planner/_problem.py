@@ -7,8 +7,9 @@ from typing import Literal, NamedTuple
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ..._masks import AbstractMask, Causal
-from ..._numbers import as_int, check_size, is_int
+from ..._masks._base import AbstractMask
+from ..._masks._positional import Causal
+from ..._util._numbers import as_int, check_size, is_int
 from .._cost import float_itemsize
 from .._hardware import HARDWARE
 

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from ..._masks import AbstractMask
-from ..._numbers import check_size
+from ..._masks._base import AbstractMask
+from ..._util._numbers import check_size
 from ._analytic import analytic_plan
 from ._compiled import NoFit, compiled_search
 from ._plan import Plan

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, Shaped
 
-from ._numbers import check_int32, is_int
+from .._util._numbers import check_int32, is_int
 from ._tokens import Runs, TokenInfo
 
 

@@ -1,6 +1,6 @@
 """The ring algorithm: the float32 merge, the forward and backward steps (a custom VJP
 that rings dK/dV home) and the `shard_map` that runs them, for a call resolved by
-`ringeqx._call` (the front door, which holds `ring_attention`)."""
+`ringeqx._ring._call` (the front door, which holds `ring_attention`)."""
 
 import functools
 from typing import Any, NamedTuple
@@ -12,16 +12,16 @@ from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
+from .._kernels._base import Scores
+from .._kernels._xla import score_mod_grads
+from .._layout._layout import Layout
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask, block_rule
+from .._score_mods import apply_sinks
 from . import _order as order
 from ._balance import from_zigzag, to_zigzag
 from ._comm import RingPlan
-from ._kernels._base import Scores
-from ._kernels._xla import score_mod_grads
-from ._layout import Layout
-from ._masks import AbstractMask, block_rule
 from ._mesh import constrain
-from ._score_mods import apply_sinks
-from ._tokens import TokenInfo
 
 
 class _Sum(NamedTuple):
@@ -67,7 +67,7 @@ class RingSettings:
     """Hashable, static settings of one ring call (the custom VJP's non-diff argument):
     the kernel, the ring axis and its size, the steps the ring takes and the
     `RingConfig`, and whether the mesh is a CPU mesh (`ordered`: its collectives then
-    carry a token that puts them in one order on every device, see `ringeqx._order`)."""
+    carry a token that puts them in one order on every device, see `ringeqx._ring._order`)."""
 
     def __init__(
         self, kernel, axis_name, num_shards, num_steps, config, num_ahead=0, *, ordered=False
@@ -103,13 +103,13 @@ class RingSettings:
 
 
 class RingCall(eqx.Module):
-    """One `ring_attention` call, resolved by the front door (`ringeqx._call`): everything
+    """One `ring_attention` call, resolved by the front door (`ringeqx._ring._call`): everything
     the ring needs besides q/k/v.
 
     **Fields:**
 
     - `scores`: the mask, the score modifier and the scale, as the kernels take them;
-        `sinks`: as resolved (`ringeqx._call.resolve_attention`).
+        `sinks`: as resolved (`ringeqx._ring._call.resolve_attention`).
     - `layout`: the layout the ring runs on (given, or contiguous), batch axes flat.
     - `settings`: the ring's static settings (kernel, axis, steps, config).
     - `mesh`, `batch_axis`: where it runs; the batch is sharded over `batch_axis`.

@@ -5,15 +5,15 @@ Contiguous shard `j` holds chunks `2j, 2j + 1` of the `2P` chunks of the sequenc
 shard `i` holds chunks `i` and `2P - 1 - i` (as `ringeqx.Zigzag`). Chunk `c` goes to device
 `c` if `c < P`, else `2P - 1 - c`: the even chunks form one permutation of the devices and
 the odd chunks another, so each half-shard moves in one hop. On a CPU mesh (`ordered`)
-the permutes are chained by a token (`ringeqx._order`), forward and backward.
+the permutes are chained by a token (`ringeqx._ring._order`), forward and backward.
 """
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .._layout._tokens import TokenInfo
 from . import _order as order
-from ._tokens import TokenInfo
 
 
 def _home(chunk: int, num_shards: int) -> int:
@@ -95,7 +95,7 @@ def to_zigzag(
 ) -> PyTree:
     """This device's contiguous shard -> its zigzag shard, for every leaf (sequence on
     `axis`). Runs inside `shard_map` over `axis_name`. `ordered`: on a CPU mesh, as two
-    collectives in the ring's token chain (`ringeqx._order`)."""
+    collectives in the ring's token chain (`ringeqx._ring._order`)."""
     if ordered:
         return _ordered(tree, _to_ordered, _from_ordered, axis_name, num_shards, axis)
     even_perm, odd_perm = _perms(num_shards)

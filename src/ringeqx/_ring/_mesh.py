@@ -41,7 +41,7 @@ def resolve_mesh(mesh, axis_name: str):
 def on_cpu(mesh) -> bool:
     """Whether `mesh`'s devices are CPUs (a mesh that names no platform, an abstract one,
     runs on JAX's default backend). The ring orders its collectives there, which XLA:CPU
-    does not do for it (`ringeqx._order`)."""
+    does not do for it (`ringeqx._ring._order`)."""
     abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
     device = abstract.abstract_device
     if device is None or device.platform is None:

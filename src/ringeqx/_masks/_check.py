@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._layout import Layout
-from ._masks import AbstractMask, block_rule, dense_rule
-from ._tokens import BlockSummary, TokenInfo
+from .._layout._layout import Layout
+from .._layout._tokens import BlockSummary, TokenInfo
+from ._base import AbstractMask, block_rule, dense_rule
 
 
 def _random_ids(key, seq_len: int, given, spans: bool) -> Array:

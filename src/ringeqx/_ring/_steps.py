@@ -1,7 +1,7 @@
 """How many ring steps run: the rule the ring follows and the schedule counts.
 
-It sits below both `_ring` and `_schedule`, so that the schedule reads the ring's own
-rule without importing the ring.
+It sits below both the ring (`_algorithm`) and `tools/_schedule`, so that the schedule
+reads the ring's own rule without importing the ring.
 """
 
 import contextlib
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool
 
-from ._layout import Layout
-from ._masks import AbstractMask, block_rule
-from ._tokens import BlockSummary, TokenInfo
+from .._layout._layout import Layout
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import AbstractMask, block_rule
 
 
 def analytic_window(mask: AbstractMask, layout: Layout) -> tuple[int, int]:

@@ -3,8 +3,8 @@
 import jax
 import jax.numpy as jnp
 
-from ._masks import AbstractMask
-from ._numbers import concrete_scalar
+from .._masks._base import AbstractMask
+from .._util._numbers import concrete_scalar
 
 
 def check_mask_arg(mask) -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from ._numbers import as_int
+from .._util._numbers import as_int
 
 
 # Segment and span ids of padding never match a real id; -1 in spans means "no span".

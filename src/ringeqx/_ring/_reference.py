@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._layout._layout import Layout
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
+from .._score_mods import AbstractScoreMod
 from ._call import NO_COMPAT, Attention, input_order, resolve_attention
-from ._layout import Layout
-from ._masks import AbstractMask
-from ._score_mods import AbstractScoreMod
-from ._tokens import TokenInfo
 
 
 def reference_attention(

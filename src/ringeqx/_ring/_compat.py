@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from ._masks import AbstractMask, Causal, SlidingWindow
-from ._numbers import is_int
-from ._score_mods import AbstractScoreMod, Chain, lift
-from ._tokens import BlockSummary, TokenInfo
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import AbstractMask
+from .._masks._positional import Causal, SlidingWindow
+from .._score_mods import AbstractScoreMod, Chain, lift
+from .._util._numbers import is_int
 
 
 class _Window(AbstractMask):

@@ -9,10 +9,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from ._layout import Layout
-from ._masks import AbstractMask
-from ._mesh import place, resolve_mesh
-from ._tokens import TokenInfo
+from .._layout._layout import Layout
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
+from .._ring._mesh import place, resolve_mesh
 
 
 _BIG = jnp.iinfo(jnp.int32).max

@@ -10,9 +10,9 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, PyTree
 
+from .._layout._tokens import TokenInfo
+from .._util._numbers import as_int
 from . import _order as order
-from ._numbers import as_int
-from ._tokens import TokenInfo
 
 
 def _wire_dtype(name: str, default):
@@ -415,7 +415,7 @@ class RingPlan:
     ):
         self.config = config
         # On a CPU mesh (`ordered`) every collective is tied to the previous one by a
-        # token (`ringeqx._order`), which the methods thread; elsewhere it is None.
+        # token (`ringeqx._ring._order`), which the methods thread; elsewhere it is None.
         self.ordered = ordered
         self.axis_name = axis_name
         self.num_shards = num_shards

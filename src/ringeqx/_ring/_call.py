@@ -1,5 +1,5 @@
 """The front door: a call of `ring_attention` resolved once into a typed, immutable
-`RingCall` (the ring's input, defined beside the ring in `ringeqx._ring`).
+`RingCall` (the ring's input, defined beside the ring in `ringeqx._ring._algorithm`).
 
 Every check of the arguments runs here, in one order:
 
@@ -23,17 +23,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from .._kernels._base import AbstractAttentionKernel, Scores
+from .._kernels._select import DeviceType, KernelName, select_kernel
+from .._layout._layout import Layout, contiguous_layout
+from .._masks._base import AbstractMask
+from .._masks._positional import Full
+from .._masks._reads import check_ids
+from .._score_mods import AbstractScoreMod, check_sinks
+from .._util._numbers import check_int32
+from ._algorithm import RingCall, RingSettings, run
 from ._checks import as_qkv, check_mask_arg, check_qkv, check_scale
 from ._comm import AllGather, RingConfig, as_ring_config
 from ._compat import translate
-from ._kernels._base import AbstractAttentionKernel, Scores
-from ._kernels._select import DeviceType, KernelName, select_kernel
-from ._layout import Layout, contiguous_layout
-from ._masks import AbstractMask, Full, check_ids
 from ._mesh import batch_axis, on_cpu, resolve_mesh, to_layout_order, to_original_order
-from ._numbers import check_int32
-from ._ring import RingCall, RingSettings, run
-from ._score_mods import AbstractScoreMod, check_sinks
 from ._steps import analytic_window, early_stop_error, ring_window
 
 
@@ -244,7 +246,7 @@ def _settings(kernel, axis_name, num_shards, config, mask, lay, ordered) -> Ring
     """The static settings of the ring: how many steps it takes, from which start (the
     block rule's window when the layout and mask are concrete, else the bounds';
     allgather mode: one step over the gathered K/V). `ordered`: on a CPU mesh (the ring's
-    collectives then carry a token, `ringeqx._order`)."""
+    collectives then carry a token, `ringeqx._ring._order`)."""
     if config.mode == "allgather":
         return RingSettings(kernel, axis_name, num_shards, 1, config, ordered=ordered)
     _check_early_stop(mask, lay)

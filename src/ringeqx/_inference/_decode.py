@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from ._kernels._base import AbstractAttentionKernel, Scores
-from ._masks import AbstractMask
-from ._mesh import place
-from ._score_mods import AbstractScoreMod, apply_sinks
-from ._tokens import TokenInfo
+from .._kernels._base import AbstractAttentionKernel, Scores
+from .._layout._tokens import TokenInfo
+from .._masks._base import AbstractMask
+from .._ring._mesh import place
+from .._score_mods import AbstractScoreMod, apply_sinks
 
 
 def merge_across(
