@@ -58,7 +58,9 @@ LEARNING_RATES = {"tiny": 1e-2, "300m": 6e-4, "1b": 4e-4}
 # are kept, not of all), so a long sequence fits on one chip.
 CHECKPOINT = {"tiny": "none", "300m": "block", "1b": "block"}
 
-# Peak dense bfloat16 FLOP/s of one device, by `jax.devices()[0].device_kind`.
+# Peak dense bfloat16 FLOP/s of one device, by `jax.devices()[0].device_kind` as the chips
+# name themselves (the same figures as ringeqx.tools' hardware table). Not listed: MFU
+# "n/a", unless --peak-flops gives it.
 PEAK_FLOPS = {
     "TPU v4": 275e12,
     "TPU v5 lite": 197e12,  # v5e
