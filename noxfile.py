@@ -105,7 +105,7 @@ def lint(session: nox.Session) -> None:
     Posargs go to ruff.
     """
     session.install("-e", ".", "ruff", "pyright[nodejs]")
-    paths = ["src", "tests", "benchmarks", "notebooks", "docs", "noxfile.py"]
+    paths = ["src", "tests", "benchmarks", "examples", "notebooks", "docs", "noxfile.py"]
     session.run("ruff", "check", *paths, *session.posargs)
     session.run("pyright", "src")
 
