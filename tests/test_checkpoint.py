@@ -212,3 +212,28 @@ def test_pickle_files_still_load_but_warn(tmp_path):
     with pytest.warns(DeprecationWarning, match="`ringeqx.nn.load_model` is deprecated"):
         loaded = rx.nn.load_model(tmp_path / "m.eqx")
     assert bool(eqx.tree_equal(loaded, model))
+
+
+def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):
+    # 2 processes x 4 fake CPU devices (jax.distributed, gloo), arrays sharded over all
+    # 8: each process writes only its own shards; this process (8 devices) restores the
+    # checkpoint onto 4, bitwise.
+    from test_multiprocess import run_workers
+
+    worker = os.path.join(os.path.dirname(__file__), "_checkpoint_worker.py")
+    directory = tmp_path / "ckpt"
+
+    def command(i, port, out):
+        return [sys.executable, worker, str(i), "2", str(port), str(out), str(directory)]
+
+    out = run_workers(tmp_path, command=command)[0]
+    written = sorted(p.name for p in (directory / "arrays").iterdir() if "process_" in p.name)
+    assert written == ["ocdbt.process_0", "ocdbt.process_1"], written
+    restored = rx.nn.load_checkpoint(directory, optimizer=optax.adamw(1e-2), mesh=mesh(4))
+    assert restored.step == 3
+    saved = np.load(out)
+    leaves = jax.tree.leaves(eqx.filter((restored.model, restored.opt_state), eqx.is_array))
+    assert len(leaves) == len(saved.files) > 10
+    for i, leaf in enumerate(leaves):
+        want = saved[f"arr_{i}"]
+        assert leaf.dtype == want.dtype and np.asarray(leaf).tobytes() == want.tobytes()

@@ -92,6 +92,12 @@ def _orbax():
     return ocp
 
 
+def _checkpointer(ocp):
+    """A synchronous Orbax checkpointer: a save has finished, on every host, when it
+    returns (no thread left writing when the metadata says the checkpoint is whole)."""
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
 class _NotData(Exception):
     """A value a configuration cannot hold as JSON."""
 
@@ -311,10 +317,8 @@ def save_checkpoint(
     items = {"model": _nested(model_arrays)}
     if state_arrays:
         items["opt_state"] = _nested(state_arrays)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(path, _ARRAYS), items)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    with _checkpointer(ocp) as checkpointer:
+        checkpointer.save(os.path.join(path, _ARRAYS), args=ocp.args.StandardSave(items))
     meta = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -457,16 +461,16 @@ def load_checkpoint(
             targets["opt_state"] = _target(
                 state_named, stored["opt_state"], "optimizer state", path, sharding_of
             )
-    checkpointer = ocp.StandardCheckpointer()
-    try:
-        restored = checkpointer.restore(os.path.join(path, _ARRAYS), targets)
-    except Exception as e:  # Orbax's errors for missing or garbled files vary
-        raise ValueError(
-            f"`directory` {path!r} is damaged: its arrays cannot be read "
-            f"({type(e).__name__}: {e})."
-        ) from e
-    finally:
-        checkpointer.close()
+    with _checkpointer(ocp) as checkpointer:
+        try:
+            restored = checkpointer.restore(
+                os.path.join(path, _ARRAYS), args=ocp.args.StandardRestore(targets)
+            )
+        except Exception as e:  # Orbax's errors for missing or garbled files vary
+            raise ValueError(
+                f"`directory` {path!r} is damaged: its arrays cannot be read "
+                f"({type(e).__name__}: {e})."
+            ) from e
     model = _fill(like, model_named, restored["model"])
     opt_state = None
     if state_like is not None:
