@@ -179,6 +179,12 @@ def test_missing_damaged_and_existing_checkpoints_are_refused_naming_the_path(tm
     meta.write_text(text[: len(text) // 2])
     with pytest.raises(ValueError, match=f"`directory` '{path}' is damaged: .* cannot be read"):
         rx.nn.load_checkpoint(path)
+    # A configuration naming a class that is not a known option is refused, not imported.
+    edited = json.loads(text)
+    edited["model"]["arguments"]["attention"]["mask"]["module"] = "os.system"
+    meta.write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match="is damaged: its model configuration cannot be rebuilt"):
+        rx.nn.load_checkpoint(path)
     meta.write_text(text)
 
     # The arrays' files gone (a copy interrupted, a disk lost): an error, not a model.

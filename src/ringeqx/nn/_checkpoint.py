@@ -134,6 +134,9 @@ def _decode(x) -> Any:
     if "dtype" in x:
         return jax.numpy.dtype(x["dtype"])
     cls = _KNOWN[x["module"]]
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(x["fields"]) != names:
+        raise ValueError(f"a {cls.__name__} has the fields {sorted(names)}; got {x['fields']}")
     # As Equinox rebuilds a module from its fields (a pytree's unflatten): the values
     # passed their checks when the saved model was built.
     module = object.__new__(cls)
