@@ -147,6 +147,11 @@ def test_a_model_without_a_configuration_restores_with_like(tmp_path):
     restored = rx.nn.load_checkpoint(tmp_path / "ckpt", like=like)
     assert restored.step == 7
     _bitwise_equal(restored.model, attention)
+    # Without `mesh`, a concrete template's shardings are the restored arrays'.
+    two = jax.sharding.NamedSharding(mesh(2), jax.sharding.PartitionSpec())
+    placed = rx.nn.load_checkpoint(tmp_path / "ckpt", like=eqx.filter_shard(attention, two))
+    for leaf in jax.tree.leaves(eqx.filter(placed.model, eqx.is_array)):
+        assert leaf.sharding.is_equivalent_to(two, leaf.ndim)
     wrong = eqx.filter_eval_shape(
         lambda: rx.nn.RingAttention(12, 3, head_dim=6, key=jax.random.key(0))
     )
