@@ -1,6 +1,11 @@
 """Equinox layers built on ring attention."""
 
 from ._attention import RingAttention as RingAttention
+from ._checkpoint import (
+    Checkpoint as Checkpoint,
+    load_checkpoint as load_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
 from ._config import (
     LLAMA3_8B as LLAMA3_8B,
     LLAMA3_70B as LLAMA3_70B,

@@ -1,10 +1,12 @@
-"""Saving a model whole: its arrays and its static configuration (masks, kernels, sizes),
-which `eqx.tree_serialise_leaves` alone does not store."""
+"""Deprecated: saving a model whole into one pickle file (its arrays and its static
+configuration). Checkpoints (`_checkpoint.py`) replace it: sharded, with the optimiser's
+state, restorable onto another mesh, and no pickle."""
 
 import hashlib
 import io
 import os
 import pickle
+import warnings
 
 import equinox as eqx
 import jax
@@ -18,12 +20,26 @@ _MAGIC = b"ringeqx-model-1\n"
 _DIGEST = b"sha256:"
 
 
+def _deprecated(name: str) -> None:
+    warnings.warn(
+        f"`ringeqx.nn.{name}` is deprecated: its files are pickles, written from one host, "
+        "without the optimiser's state. Use `ringeqx.nn.save_checkpoint` and "
+        "`ringeqx.nn.load_checkpoint` (`pip install 'ringeqx[checkpoint]'`); to convert a "
+        "file, `save_checkpoint(directory, load_model(path))`.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 def _digest(body: bytes) -> bytes:
     return _DIGEST + hashlib.sha256(body).hexdigest().encode() + b"\n"
 
 
 def save_model(path: str | os.PathLike, model: eqx.Module) -> None:
-    """Save `model` whole: its structure and static configuration (the mask, kernel,
+    """Deprecated: use [`ringeqx.nn.save_checkpoint`][] (sharded, with the optimiser's
+    state, no pickle). This still writes the old file, with a `DeprecationWarning`.
+
+    Save `model` whole: its structure and static configuration (the mask, kernel,
     sizes, ...) and its arrays, of any dtype (bfloat16 and float16 included), exactly.
 
     `eqx.tree_serialise_leaves` stores the arrays only: deserialising them into a model
@@ -34,6 +50,7 @@ def save_model(path: str | os.PathLike, model: eqx.Module) -> None:
     is loaded), the arrays with `eqx.tree_serialise_leaves`, and a checksum of both
     after them. Like any pickle, load only files you trust.
     """
+    _deprecated("save_model")
     arrays, static = eqx.partition(model, eqx.is_array)
     skeleton = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
     leaves = io.BytesIO()
@@ -54,13 +71,17 @@ def _leaf(f, like: np.ndarray) -> np.ndarray:
 
 
 def load_model(path: str | os.PathLike) -> eqx.Module:
-    """The model [`ringeqx.nn.save_model`][] saved at `path`, as it was (configuration
+    """Deprecated: use [`ringeqx.nn.load_checkpoint`][]. This still reads the files
+    of [`ringeqx.nn.save_model`][], with a `DeprecationWarning`.
+
+    The model [`ringeqx.nn.save_model`][] saved at `path`, as it was (configuration
     and arrays, in their dtypes).
 
     **Raises:** a `ValueError` naming `path` for a file that is not a saved model, or is
     damaged (truncated, or its bytes changed: the checksum written after the model does
     not match); an `ImportError` when a class of the model cannot be imported here.
     """
+    _deprecated("load_model")
     with open(path, "rb") as f:
         data = f.read()
     where = f"`path` {str(path)!r}"

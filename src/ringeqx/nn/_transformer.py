@@ -446,9 +446,9 @@ class RingTransformerLM(eqx.Module):
 
     Llama-shaped models of published sizes: [`ringeqx.nn.RingTransformerLM.from_config`][].
 
-    To save a model, use [`ringeqx.nn.save_model`][]: `eqx.tree_serialise_leaves`
-    stores the arrays only, and deserialising them into a model built with another mask
-    or kernel keeps the template's, silently.
+    To save a model (and its optimiser's state), use [`ringeqx.nn.save_checkpoint`][]:
+    `eqx.tree_serialise_leaves` stores the arrays only, and deserialising them into a
+    model built with another mask or kernel keeps the template's, silently.
     """
 
     embedding: eqx.nn.Embedding
