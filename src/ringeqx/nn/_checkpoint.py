@@ -13,21 +13,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._comm import AllGather, RingConfig
 from .._kernels._pallas_gpu import PallasGpuKernel
 from .._kernels._pallas_tpu import PallasTpuKernel
 from .._kernels._xla import XlaKernel
-from .._masks import (
-    And,
-    BidirectionalSpans,
-    BlockSparse,
-    Causal,
-    Document,
-    Full,
-    Or,
-    PrefixLM,
-    SlidingWindow,
-)
+from .._masks._base import And, Or
+from .._masks._block_sparse import BlockSparse
+from .._masks._ids import BidirectionalSpans, Document
+from .._masks._positional import Causal, Full, PrefixLM, SlidingWindow
+from .._ring._comm import AllGather, RingConfig
 from .._score_mods import ALiBi, Chain, Softcap
 from ._mlp import GeluMLP, SwiGLUMLP
 from ._options import AttentionOptions
