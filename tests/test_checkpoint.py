@@ -223,6 +223,12 @@ def test_pickle_files_still_load_but_warn(tmp_path):
     with pytest.warns(DeprecationWarning, match="`ringeqx.nn.load_model` is deprecated"):
         loaded = rx.nn.load_model(tmp_path / "m.eqx")
     assert bool(eqx.tree_equal(loaded, model))
+    # A file saved before the core moved into folders names `ringeqx._masks.And`, whose
+    # module is now a package: its classes are found where they moved.
+    old = os.path.join(os.path.dirname(__file__), "data", "attention_before_folders.eqx")
+    with pytest.warns(DeprecationWarning):
+        attention = rx.nn.load_model(old)
+    assert attention.mask == rx.Causal() & rx.SlidingWindow(4)
 
 
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):

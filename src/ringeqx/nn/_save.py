@@ -3,6 +3,7 @@ configuration). Checkpoints (`_checkpoint.py`) replace it: sharded, with the opt
 state, restorable onto another mesh, and no pickle."""
 
 import hashlib
+import importlib
 import io
 import os
 import pickle
@@ -70,6 +71,33 @@ def _leaf(f, like: np.ndarray) -> np.ndarray:
     return out
 
 
+# Modules whose classes moved into folders (issue 44): a file saved before names the old
+# module, and its classes are now in one of these.
+_MOVED = {
+    "ringeqx._masks": ("_masks._base", "_masks._positional", "_masks._ids",
+                       "_masks._block_sparse", "_masks._reads"),
+    "ringeqx._layout": ("_layout._layout",),
+    "ringeqx._tokens": ("_layout._tokens",),
+    "ringeqx._comm": ("_ring._comm",),
+    "ringeqx._kvcache": ("_inference._kvcache",),
+}  # fmt: skip
+
+
+class _Unpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that also finds a class where it moved since the file was
+    saved (`_MOVED`)."""
+
+    def find_class(self, module: str, name: str):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            for moved in _MOVED.get(module, ()):
+                found = getattr(importlib.import_module(f"ringeqx.{moved}"), name, None)
+                if found is not None:
+                    return found
+            raise
+
+
 def load_model(path: str | os.PathLike) -> eqx.Module:
     """Deprecated: use [`ringeqx.nn.load_checkpoint`][]. This still reads the files
     of [`ringeqx.nn.save_model`][], with a `DeprecationWarning`.
@@ -97,7 +125,7 @@ def load_model(path: str | os.PathLike) -> eqx.Module:
     stream = io.BytesIO(data)
     stream.seek(len(_MAGIC))
     try:
-        payload = pickle.load(stream)
+        payload = _Unpickler(stream).load()
     except (ImportError, AttributeError) as e:
         # A class the model needs is not importable here (or a damaged name).
         raise ImportError(
