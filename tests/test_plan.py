@@ -404,6 +404,9 @@ def test_target_plans_are_checked_before_compiling(capsys):
         (["--target", "v5p:4x4x4", "--devices", "8"],
          r"argument --devices: must be the 64 chips of --target v5p:4x4x4 \(or left out\); got 8"),
         (["--target", "tpu"], r"argument --target: must be a TPU generation and slice"),
+        # --target answered for its own chip whatever --profile said (issue 45).
+        (["--target", "v5e:2x2", "--profile", "h100"],
+         r"argument --profile: must be tpu-v5e \(the chip of --target v5e:2x2\) or left out"),
         (["--seq-len", "1G"], r"argument --seq-len: must be an integer >= 1, optionally with K"),
     ]:
         with pytest.raises(SystemExit) as exit:
@@ -411,6 +414,11 @@ def test_target_plans_are_checked_before_compiling(capsys):
         assert exit.value.code == 2
         err = capsys.readouterr().err
         assert re.search(match, err) and "Traceback" not in err, err
+    # A dtype the target's kernel does not take: said before compiling, not a traceback
+    # from inside the compile (issue 45).
+    assert main(["plan", "--target", "v5e:2x2", "--dtype", "float16"]) == 1
+    out = capsys.readouterr().out
+    assert "`dtype`=float16 is not a dtype PallasTpuKernel" in out and "Traceback" not in out
     # `--seq-len 1M` is 2**20 tokens; a target without its compiler says which package.
     assert main(["plan", "--seq-len", "1M", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_len"] == 2**20

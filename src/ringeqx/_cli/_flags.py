@@ -148,3 +148,10 @@ def target_chips(target: str) -> int:
     from ..tools._planner._problem import target_chips
 
     return target_chips(target)
+
+
+def target_device(target: str) -> str:
+    """The device profile of `target`'s chips (importing JAX, but starting no backend)."""
+    from ..tools._planner._problem import target_device
+
+    return target_device(target)

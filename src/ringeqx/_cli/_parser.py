@@ -4,7 +4,7 @@ are each fine alone but not together (before JAX is imported)."""
 import argparse
 
 from . import _bench, _demo, _generate, _plan, _report
-from ._flags import indivisible, target_chips
+from ._flags import indivisible, target_chips, target_device
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -106,6 +106,13 @@ def misuse(args: argparse.Namespace) -> str | None:
                     return (
                         f"argument --devices: must be the {chips} chips of --target "
                         f"{args.target} (or left out); got {args.devices}"
+                    )
+                profile = target_device(args.target)
+                if args.profile not in (None, profile):
+                    # --target answered for its own chip whatever --profile said.
+                    return (
+                        f"argument --profile: must be {profile} (the chip of --target "
+                        f"{args.target}) or left out; got {args.profile}"
                     )
             if args.profile == "cpu" and args.max_memory_mib is None:
                 return (

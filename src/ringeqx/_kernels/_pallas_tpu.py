@@ -812,6 +812,11 @@ class PallasTpuKernel(AbstractAttentionKernel):
         head dims it does take, for a planner to refuse before it plans."""
         return None if _head_dim_ok(head_dim) else _HEAD_DIMS
 
+    def unsupported_dtype(self, dtype: str) -> str | None:
+        """None where the kernel takes q/k/v of `dtype` (a name); else the dtypes it
+        takes, for a planner to refuse before it compiles."""
+        return None if dtype in _DTYPES else ", ".join(_DTYPES)
+
     def devices(self) -> frozenset[str]:
         return frozenset({"cpu", "gpu", "tpu"} if self.interpret else {"tpu"})
 

@@ -40,6 +40,14 @@ def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
             f"`head_dim`={cfg.head_dim}{lm} is not a width {type(kernel).__name__}, the "
             f"kernel of {cfg.device!r} devices, takes: expected {expected}."
         )
+    expected = kernel.unsupported_dtype(cfg.dtype)
+    if expected is not None:
+        # Found only when the target's compile traced the kernel (a TypeError that the
+        # CLI printed as a traceback; issue 45).
+        raise ValueError(
+            f"`dtype`={cfg.dtype} is not a dtype {type(kernel).__name__}, the kernel of "
+            f"{cfg.device!r} devices, takes: expected one of {expected}."
+        )
     if isinstance(kernel, PallasTpuKernel):
         return kernel.block_q, kernel.block_kv
     return kernel.launch("forward", cfg.dtype, cfg.head_dim)[:2]

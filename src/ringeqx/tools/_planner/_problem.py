@@ -68,11 +68,16 @@ def target_chips(target: str) -> int:
     return math.prod(int(d) for d in dims)
 
 
+def target_device(target: str) -> str:
+    """The device profile (a key of `HARDWARE`) of a valid `target`'s chips."""
+    return _PROFILES[target.partition(":")[0]]
+
+
 def target_profile(target: str, device: str, devices: int) -> str:
     """The device profile of `target`, checked against `device` (its default or the
     same) and against the plan's `batch_devices * num_devices` (its chip count)."""
     chips = target_chips(target)
-    profile = _PROFILES[target.partition(":")[0]]
+    profile = target_device(target)
     if device not in ("cpu", profile):
         raise ValueError(
             f"`device` must be {profile!r} (the profile of `target` {target!r}) or left "
