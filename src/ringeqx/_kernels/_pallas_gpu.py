@@ -572,17 +572,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
         args = (q, k, v, q_info, kv_info, scores)
         return common.first_order("PallasGpuKernel", self._forward, *args)
 
-    def _forward(
-        self,
-        q: Float[Array, "batch heads q_len head_dim"],
-        k: Float[Array, "batch kv_heads kv_len head_dim"],
-        v: Float[Array, "batch kv_heads kv_len head_dim"],
-        q_info: TokenInfo,
-        kv_info: TokenInfo,
-        scores: Scores,
-    ) -> tuple[
-        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
-    ]:
+    def _forward(self, q, k, v, q_info, kv_info, scores):
         mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_forward"):
@@ -618,22 +608,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
         args = (q, k, v, lse, delta, d_out, q_info, kv_info, scores)
         return common.first_order("PallasGpuKernel", self._backward, *args)
 
-    def _backward(
-        self,
-        q: Float[Array, "batch heads q_len head_dim"],
-        k: Float[Array, "batch kv_heads kv_len head_dim"],
-        v: Float[Array, "batch kv_heads kv_len head_dim"],
-        lse: Float[Array, "batch heads q_len"],
-        delta: Float[Array, "batch heads q_len"],
-        d_out: Float[Array, "batch heads q_len head_dim"],
-        q_info: TokenInfo,
-        kv_info: TokenInfo,
-        scores: Scores,
-    ) -> tuple[
-        Float[Array, "batch heads q_len head_dim"],
-        Float[Array, "batch kv_heads kv_len head_dim"],
-        Float[Array, "batch kv_heads kv_len head_dim"],
-    ]:
+    def _backward(self, q, k, v, lse, delta, d_out, q_info, kv_info, scores):
         mask, score_mod, scale = scores.mask, scores.score_mod, scores.scale
         q = self._check(q, k, v, mask, score_mod)
         with jax.named_scope("ringeqx_pallas_gpu_backward"):

@@ -898,17 +898,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         args = (q, k, v, q_info, kv_info, scores)
         return common.first_order("PallasTpuKernel", self._forward, *args)
 
-    def _forward(
-        self,
-        q: Float[Array, "batch heads q_len head_dim"],
-        k: Float[Array, "batch kv_heads kv_len head_dim"],
-        v: Float[Array, "batch kv_heads kv_len head_dim"],
-        q_info: TokenInfo,
-        kv_info: TokenInfo,
-        scores: Scores,
-    ) -> tuple[
-        Float[Array, "batch heads q_len head_dim"], Float[Array, "batch heads q_len"]
-    ]:
+    def _forward(self, q, k, v, q_info, kv_info, scores):
         q = self._check(q, k, v, scores.mask, scores.score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_forward"):
             t = self._tiling(q, k)
@@ -952,22 +942,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         args = (q, k, v, lse, delta, d_out, q_info, kv_info, scores)
         return common.first_order("PallasTpuKernel", self._backward, *args)
 
-    def _backward(
-        self,
-        q: Float[Array, "batch heads q_len head_dim"],
-        k: Float[Array, "batch kv_heads kv_len head_dim"],
-        v: Float[Array, "batch kv_heads kv_len head_dim"],
-        lse: Float[Array, "batch heads q_len"],
-        delta: Float[Array, "batch heads q_len"],
-        d_out: Float[Array, "batch heads q_len head_dim"],
-        q_info: TokenInfo,
-        kv_info: TokenInfo,
-        scores: Scores,
-    ) -> tuple[
-        Float[Array, "batch heads q_len head_dim"],
-        Float[Array, "batch kv_heads kv_len head_dim"],
-        Float[Array, "batch kv_heads kv_len head_dim"],
-    ]:
+    def _backward(self, q, k, v, lse, delta, d_out, q_info, kv_info, scores):
         q = self._check(q, k, v, scores.mask, scores.score_mod)
         with jax.named_scope("ringeqx_pallas_tpu_backward"):
             t = self._tiling(q, k, backward=True)
