@@ -95,7 +95,8 @@ def tests(session: nox.Session, jax: str) -> None:
     # Two workers: compiling, most of the suite's time, keeps one core busy, and CI has
     # two (each worker sets its own 8 fake devices). `-- -n 0` runs in one process.
     workers = ["-n", "2", "--dist", "worksteal"]
-    session.run("python", "-m", "pytest", *workers, *session.posargs)
+    # The slowest 30 tests in every run's log, the suite's time budget read where it goes.
+    session.run("python", "-m", "pytest", *workers, "--durations=30", *session.posargs)
 
 
 @nox.session
