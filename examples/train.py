@@ -58,17 +58,18 @@ LEARNING_RATES = {"tiny": 1e-2, "300m": 6e-4, "1b": 4e-4}
 # are kept, not of all), so a long sequence fits on one chip.
 CHECKPOINT = {"tiny": "none", "300m": "block", "1b": "block"}
 
-# Peak dense bfloat16 FLOP/s of one device, by `jax.devices()[0].device_kind` as the chips
-# name themselves (the same figures as ringeqx.tools' hardware table). Not listed: MFU
-# "n/a", unless --peak-flops gives it.
-PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5": 459e12,  # v5p
-    "TPU v6 lite": 918e12,  # v6e (Trillium)
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
+# Each chip's profile in ringeqx.tools' hardware table, by `jax.devices()[0].device_kind`
+# as the chips name themselves; its peak dense bfloat16 FLOP/s is the MFU's denominator.
+# Not listed: MFU "n/a", unless --peak-flops gives it.
+_PROFILES = {
+    "TPU v4": "tpu-v4",
+    "TPU v5 lite": "tpu-v5e",
+    "TPU v5": "tpu-v5p",
+    "TPU v6 lite": "tpu-v6e",
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA A100-SXM4-80GB": "a100-nvlink",
 }
+PEAK_FLOPS = {kind: ringeqx.tools.HARDWARE[p].flops for kind, p in _PROFILES.items()}
 
 
 def read_corpus(root: Path = ROOT) -> tuple[np.ndarray, np.ndarray]:

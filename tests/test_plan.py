@@ -160,10 +160,11 @@ def test_argument_errors():
 def test_no_fit_advice_says_small_budgets_and_a_larger_one_only_where_it_helps():
     # "0.00 GiB" for a small budget, and "raise max_memory_usage" even where the chip
     # itself refused the program or the budget was the chip's already (issue 45).
-    from ringeqx.tools._planner._compiled import _advice, gib
+    from ringeqx.tools._planner._compiled import _advice, format_bytes
     from ringeqx.tools._planner._problem import problem
 
-    assert (gib(2**20), gib(3 * 2**30), gib(1000)) == ("1.00 MiB", "3.00 GiB", "1,000 bytes")
+    said = (format_bytes(2**20), format_bytes(3 * 2**30), format_bytes(1000))
+    assert said == ("1.00 MiB", "3.00 GiB", "1,000 bytes")
     small, _ = problem(8192, 4, heads=8, head_dim=128, device="tpu-v5e", max_memory_usage=2**20)
     whole, _ = problem(8192, 4, heads=8, head_dim=128, device="tpu-v5e")
     assert "raise max_memory_usage (up to the chip's 15.75 GiB)" in _advice(small, 2**21)

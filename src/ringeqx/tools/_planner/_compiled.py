@@ -239,9 +239,9 @@ def _check_state(cfg: Problem, plan: Plan) -> None:
     state = state_bytes(plan)
     if state > cfg.max_memory_usage:
         raise NoFit(
-            f"Nothing fits in max_memory_usage={gib(cfg.max_memory_usage)} per "
+            f"Nothing fits in max_memory_usage={format_bytes(cfg.max_memory_usage)} per "
             f"chip of {plan.target}: the parameters and Adam state alone take "
-            f"{gib(state)} per chip, fully sharded over its "
+            f"{format_bytes(state)} per chip, fully sharded over its "
             f"{plan.batch_devices * plan.num_devices} chips (float32), whatever the "
             "context. Add chips or shrink the model.",
             state,
@@ -287,9 +287,9 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
         if compiled.total <= cfg.max_memory_usage:
             return plan
         total = compiled.total
-        tried.append(f"remat={remat!r}: {gib(total)}")
+        tried.append(f"remat={remat!r}: {format_bytes(total)}")
     raise NoFit(
-        f"Nothing fits in max_memory_usage={gib(cfg.max_memory_usage)} per chip of "
+        f"Nothing fits in max_memory_usage={format_bytes(cfg.max_memory_usage)} per chip of "
         f"{target}: seq_len={cfg.seq_len} compiles to {'; '.join(tried)} per chip (the "
         f"compiler's bytes). {_advice(cfg, total)}",
         total,
@@ -298,7 +298,7 @@ def compiled_search(cfg: Problem, target: str, remats: tuple[Remat, ...]) -> Pla
     )
 
 
-def gib(n: int) -> str:
+def format_bytes(n: int) -> str:
     """Bytes for a message: GiB to two places, or MiB / bytes where GiB would round to
     nothing (a small budget said as "0.00 GiB")."""
     if n >= _GIB // 100:
@@ -316,7 +316,7 @@ def _advice(cfg: Problem, total: int | None) -> str:
     if cfg.kind == "lm":
         advice += ", or rematerialise more (`remat`)"
     if total is not None and chip is not None and cfg.max_memory_usage < chip:
-        advice += f", or raise max_memory_usage (up to the chip's {gib(chip)})"
+        advice += f", or raise max_memory_usage (up to the chip's {format_bytes(chip)})"
     return advice + "."
 
 
