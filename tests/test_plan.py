@@ -1,7 +1,7 @@
 """`ringeqx.tools.plan`: predictions against XLA's compiled memory, budgets, errors, the CLI.
 
 Compile-only (no arrays are allocated) and small: the full grid, N from 2K to 64K, is
-`benchmarks/plan_grid.py`.
+`benchmarks/calibration/plan_grid.py`.
 """
 
 import json
@@ -445,7 +445,7 @@ def test_accelerator_profiles_plan_their_compilers_program():
     # A TPU or GPU profile plans the program `plan(target=)` compiles there: the Pallas
     # kernel with its own tiles, an LM's parameters and Adam state sharded over every
     # chip and donated; the counts and headroom are those fitted to that family's
-    # compiler (benchmarks/plan_target_grid.py).
+    # compiler (benchmarks/calibration/plan_target_grid.py).
     import equinox as eqx
 
     from ringeqx.tools._planner._constants import ATTENTION, HEADROOM, LM

@@ -1,6 +1,6 @@
 """Calibrated counts of each term of the memory model, per family of compiler
-(`cpu`: `python benchmarks/plan_grid.py --calibrate`; `tpu`, `gpu`: `python
-benchmarks/plan_target_grid.py --fit`); do not edit by hand."""
+(`cpu`: `python benchmarks/calibration/plan_grid.py --calibrate`; `tpu`, `gpu`: `python
+benchmarks/calibration/plan_target_grid.py --fit`); do not edit by hand."""
 
 ATTENTION: dict[str, dict[str, dict[str, float]]] = {
     "cpu": {

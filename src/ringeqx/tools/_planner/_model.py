@@ -7,17 +7,18 @@ the K/V blocks and dK/dV accumulators in flight, the tiles of scores, the per-la
 activations a remat policy keeps, the logits, the gradients), and each term's count is a
 constant calibrated against the compiler's `memory_analysis()`, per family of compiler:
 
-- `"cpu"`: XLA:CPU on 8 fake devices (`benchmarks/plan_grid.py --calibrate`), the program
-  `measure_memory` compiles without a target: `XlaKernel`, parameters replicated.
+- `"cpu"`: XLA:CPU on 8 fake devices (`benchmarks/calibration/plan_grid.py --calibrate`),
+  the program `measure_memory` compiles without a target: `XlaKernel`, parameters
+  replicated.
   Separate constants hold where XLA's buffer assignment differs in kind: one ring step (no
   buffers in flight), two (loops of one trip, which XLA simplifies) and more; float32 and
   16-bit inputs.
 - `"tpu"` (libtpu, v5p slices) and `"gpu"` (the CUDA plugin, H100s): the program
   `plan(..., target=...)` compiles, the platform's Pallas kernel (its tiles live on chip)
   and an LM's parameters and Adam state fully sharded over every chip and donated
-  (`benchmarks/plan_target_grid.py`). Attention has one regime per ring size (two steps,
-  more) and input width; an LM one per remat policy, unrolled or scanned, whose layers
-  these compilers schedule differently.
+  (`benchmarks/calibration/plan_target_grid.py`). Attention has one regime per ring size
+  (two steps, more) and input width; an LM one per remat policy, unrolled or scanned, whose
+  layers these compilers schedule differently.
 """
 
 import math
@@ -417,7 +418,7 @@ def headroom(kind: str, device: str = "cpu", one_chip: bool = False) -> float:
 
 def terms(shapes: "Shapes | LMShapes") -> tuple[dict[str, float], str, int]:
     """`(features, regime, exact bytes of arguments and outputs)` of a problem: what
-    `benchmarks/plan_grid.py --calibrate` fits the constants on."""
+    `benchmarks/calibration/plan_grid.py --calibrate` fits the constants on."""
     if isinstance(shapes, LMShapes):
         return lm_features(shapes), lm_regime(shapes), sum(lm_io(shapes))
     return attention_features(shapes), attention_regime(shapes), attention_io(shapes)

@@ -1,6 +1,6 @@
 """The memory planner against XLA: predicted against compiled bytes per device over a grid.
 
-Run: `python benchmarks/plan_grid.py` (compile only, nothing runs; 8 fake CPU devices).
+Run: `python benchmarks/calibration/plan_grid.py` (compile only, nothing runs; 8 fake CPU devices).
 For each configuration of the grid (N from 2K to 64K, P = 1, 2, 4, 8, masks, remat
 policies, attention alone and an LM training step) it makes a plan with the knobs fixed,
 compiles the planned program (`ringeqx.tools.measure_memory`) and prints the predicted and the
@@ -9,7 +9,8 @@ configuration, it asks the planner for its own plan under a budget 15% above the
 configuration's compiled bytes and checks that the planned program compiles under it.
 
 `--calibrate attention` / `--calibrate lm` instead measure a seeded random sample of
-configurations (`--points`, `--seed`) into `benchmarks/plan_calibration_{kind}.json`, and
+configurations (`--points`, `--seed`) into
+`benchmarks/calibration/plan_calibration_{kind}.json`, and
 `--remeasure` compiles the saved sample again (after a kernel change) and refits;
 `--tightest` plans an LM under each mask at the smallest budget the planner accepts and
 compiles it (the budget promise);
@@ -25,8 +26,12 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
-from _devices import fake_cpu_devices
+
+# `_devices` is shared with the other benchmarks, one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _devices import fake_cpu_devices  # noqa: E402
 
 
 fake_cpu_devices(8)
@@ -351,7 +356,8 @@ def main() -> int:
         choices=("attention", "lm"),
         default=None,
         dest="kind",
-        help="measure a sample of this kind into benchmarks/plan_calibration_KIND.json, then refit",
+        help="measure a sample of this kind into plan_calibration_KIND.json (beside this script), "
+        "then refit",
     )
     parser.add_argument("--refit", action="store_true", help="refit on the saved data")
     parser.add_argument(

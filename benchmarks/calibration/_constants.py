@@ -7,7 +7,7 @@ from pathlib import Path
 from ringeqx.tools._planner import _model as _plan_model
 
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 CONSTANTS = SRC / "ringeqx" / "tools" / "_planner" / "_constants.py"
 
 
@@ -28,8 +28,8 @@ def write_constants(family: str) -> None:
     nested = "dict[str, dict[str, dict[str, float]]]"
     text = [
         '"""Calibrated counts of each term of the memory model, per family of compiler',
-        "(`cpu`: `python benchmarks/plan_grid.py --calibrate`; `tpu`, `gpu`: `python",
-        'benchmarks/plan_target_grid.py --fit`); do not edit by hand."""',
+        "(`cpu`: `python benchmarks/calibration/plan_grid.py --calibrate`; `tpu`, `gpu`: `python",
+        'benchmarks/calibration/plan_target_grid.py --fit`); do not edit by hand."""',
         "",
         table("ATTENTION", nested),
         table("LM", nested),

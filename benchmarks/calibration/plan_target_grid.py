@@ -2,35 +2,35 @@
 
 The analytic planner (`ringeqx.tools.plan` without `target=`) answers instantly from a model of
 the arrays a program holds, each term's count fitted per family of compiler: XLA:CPU
-(`benchmarks/plan_grid.py`), XLA:TPU (libtpu, TPU v5p slices) and XLA:GPU (the CUDA
+(`benchmarks/calibration/plan_grid.py`), XLA:TPU (libtpu, TPU v5p slices) and XLA:GPU (the CUDA
 plugin, H100s). This script measures the programs `ringeqx.tools.plan(..., target=...)` compiles
 (the platform's Pallas kernel; an LM's parameters and Adam state fully sharded and
 donated) on compile-only chips, fits the family's counts, and checks them on a grid they
 were not fitted on.
 
     # in the TPU venv (jax[tpu]); then the same with --family gpu in the GPU venv
-    python benchmarks/plan_target_grid.py --family tpu --measure fit --points 80
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-scan --points 30
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-ring --points 40
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-deep --points 30
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-long --points 20
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-heads --points 48
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 24
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-width --points 20 --seed 2 \
-        --targets v5p:2x2x2 --tokens 4096 8192 16384   # (wide steps on 8 chips, longer shards)
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-wide --points 24 --seed 2 \
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit --points 80
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-scan --points 30
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-ring --points 40
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-deep --points 30
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-long --points 20
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-heads --points 48
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-width --points 24
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-width --points 20 \
+        --seed 2 --targets v5p:2x2x2 --tokens 4096 8192 16384  # (wide steps, 8 chips, long shards)
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-wide --points 24 \
+        --seed 2 --targets v5p:2x2x2 --tokens 4096 8192
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-vocab --points 12 \
         --targets v5p:2x2x2 --tokens 4096 8192
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-vocab --points 12 \
-        --targets v5p:2x2x2 --tokens 4096 8192
-    python benchmarks/plan_target_grid.py --family tpu --measure fit-many --points 18
-    python benchmarks/plan_target_grid.py --family tpu --measure check
-    python benchmarks/plan_target_grid.py --family tpu --fit        # writes the constants
-    python benchmarks/plan_target_grid.py --family tpu --measure holdout
-    python benchmarks/plan_target_grid.py --family tpu --measure blind
-    python benchmarks/plan_target_grid.py --family tpu --measure fourth
-    python benchmarks/plan_target_grid.py --family tpu --measure sixth
-    python benchmarks/plan_target_grid.py --family tpu --measure seventh
-    python benchmarks/plan_target_grid.py --family tpu --table      # the error tables
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fit-many --points 18
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure check
+    python benchmarks/calibration/plan_target_grid.py --family tpu --fit  # writes the constants
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure holdout
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure blind
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure fourth
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure sixth
+    python benchmarks/calibration/plan_target_grid.py --family tpu --measure seventh
+    python benchmarks/calibration/plan_target_grid.py --family tpu --table      # the error tables
 
 (`benchmarks/RESULTS.md` lists the runs behind the committed constants.)
 
@@ -46,8 +46,8 @@ defined before it was compiled (see `fourth_grid`); `chip` a fifth, of single ch
 `sixth` a sixth, defined before `fit-heads` (attention of more head groupings) was
 compiled and the model refitted on it (see `sixth_grid`); `seventh` a seventh, of many
 chips and sequences longer than the vocabulary (see `seventh_grid`). Measurements
-accumulate in `benchmarks/plan_calibration_{family}.json` (a point already measured is not
-compiled again), so runs can be interrupted and resumed.
+accumulate in `benchmarks/calibration/plan_calibration_{family}.json` (a point already
+measured is not compiled again), so runs can be interrupted and resumed.
 """
 
 import argparse
@@ -70,7 +70,7 @@ import ringeqx as rx  # noqa: E402
 from ringeqx.tools._planner import _analytic, _model as _plan_model, _plan, _problem  # noqa: E402
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "longest_context.md"
 MASKS = {
     "causal": rx.Causal(),
@@ -426,7 +426,7 @@ def seventh_grid(family: str) -> list[dict]:
     ])  # fmt: skip
 
 
-# The 0.3B-parameter LM `benchmarks/plan_on_chip.py` runs on a real v5e chip.
+# The 0.3B-parameter LM `benchmarks/calibration/plan_on_chip.py` runs on a real v5e chip.
 CHIP_LM = dict(heads=16, kv_heads=8, dim=2048, vocab_size=32000, hidden=5632)
 
 
@@ -475,7 +475,7 @@ def measure(cfg: dict) -> dict:
 
 
 def _data(family: str) -> Path:
-    return ROOT / "benchmarks" / f"plan_calibration_{family}.json"
+    return Path(__file__).with_name(f"plan_calibration_{family}.json")
 
 
 def _load(family: str) -> list[dict]:

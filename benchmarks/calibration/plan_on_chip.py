@@ -4,10 +4,10 @@ Two halves, on two machines:
 
 ```
 # here, in the jax[tpu] venv (libtpu, compile-only "v5e:1x1"): the planner's answers
-python benchmarks/plan_on_chip.py --plan          # -> benchmarks/plan_on_chip_v5e.json
-python benchmarks/plan_on_chip.py --plan "attention 8:2 longest"   # one case again, the rest kept
+python benchmarks/calibration/plan_on_chip.py --plan  # -> plan_on_chip_v5e.json, beside it
+python benchmarks/calibration/plan_on_chip.py --plan "attention 8:2 longest"  # one case again
 # on a machine with one real TPU v5e chip: each answer compiled there and run
-python benchmarks/plan_on_chip.py                 # prints the table; --out FILE saves it
+python benchmarks/calibration/plan_on_chip.py  # prints the table; --out FILE saves it
 ```
 
 `--plan` asks [`ringeqx.tools.longest_context`][] for the longest context of ring attention

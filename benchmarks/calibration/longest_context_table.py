@@ -5,11 +5,11 @@ Every row is a search over compiles (one compile a probe) on compile-only device
 needs the target's compiler in the running environment: libtpu (`jax[tpu]`) for TPU
 rows, the CUDA plugin (`jax[cuda12]`) for GPU rows; rows of the other kind are left for
 a run in the other environment. Results accumulate in
-`benchmarks/longest_context_table.json` (a row already there is not searched again;
+`benchmarks/calibration/longest_context_table.json` (a row already there is not searched again;
 `--redo` searches it again) and the docs table is rewritten from all of them.
 
-    python benchmarks/longest_context_table.py --rows attention      # TPU venv, then GPU venv
-    python benchmarks/longest_context_table.py --rows 8b --targets v5p:2x2x2
+    python benchmarks/calibration/longest_context_table.py --rows attention  # TPU venv, GPU venv
+    python benchmarks/calibration/longest_context_table.py --rows 8b --targets v5p:2x2x2
 """
 
 import argparse
@@ -29,8 +29,8 @@ import ringeqx as rx  # noqa: E402
 from ringeqx.tools._planner._problem import target_chips  # noqa: E402
 
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "longest_context_table.json"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).with_name("longest_context_table.json")
 DOC = ROOT / "docs" / "longest_context.md"
 
 # Llama-3 shapes. Our LM's MLP is GELU with two matrices; Llama's SwiGLU has three of
