@@ -110,7 +110,7 @@ def test_suggested_strategy_follows_the_mask():
 def test_tighter_budget_gives_smaller_tiles():
     # Attention alone: an LM step's bytes on XLA:CPU do not depend on its tiles or remat
     # (4 layers of width 256 at 32K tokens on 8 devices: 648.3 MiB for every pair of
-    # tiles 64-512 and remat none or block; benchmarks/RESULTS.md), and the model says so.
+    # tiles 64-512 and remat none or block; benchmarks/LOG.md), and the model says so.
     kwargs = dict(heads=8, kv_heads=2, head_dim=64)
     roomy = rx.tools.plan(32768, 8, max_memory_usage=2**40, **kwargs)
     assert (roomy.remat, roomy.block_q) == ("none", 256)
@@ -254,7 +254,7 @@ def test_one_chip_lm_is_its_own_regime():
     # 8 chips put one v5e's longest LM context under remat "attention" at 36,864 tokens,
     # which libtpu refused (15.91G of temporaries on a 15.75G chip). One chip has its own
     # counts (`-p1`), and the analytic longest contexts compile inside the budget
-    # (benchmarks/RESULTS.md).
+    # (benchmarks/LOG.md).
     from ringeqx.tools._planner._analytic import plan_problem
     from ringeqx.tools._planner._model import lm_regime
 
@@ -270,7 +270,7 @@ def test_one_chip_lm_is_its_own_regime():
 def test_tpu_attention_steps_where_libtpu_does():
     # libtpu's attention holds about three more float32 q-sized buffers once a shard's
     # rows pass ~23K at heads of 128 or wider (between 22,528 and 23,552 for every
-    # grouping swept; benchmarks/RESULTS.md): the TPU's model steps there, and neither
+    # grouping swept; benchmarks/LOG.md): the TPU's model steps there, and neither
     # at head_dim 64 nor on the H100 (whose compiler has no such step).
     kw = dict(heads=32, kv_heads=8, dtype="bfloat16", max_memory_usage=2**40)
 
@@ -289,7 +289,7 @@ def test_tpu_attention_steps_where_libtpu_does():
 def test_long_rings_gather_the_head_weight_not_the_sequence():
     # For the vocabulary-sharded head the compilers gather every chip's hidden states
     # only while the sequence is shorter than the vocabulary; past it, the head's weight
-    # (libtpu's memory-usage reports on 8, 16 and 64 v5p chips: benchmarks/RESULTS.md).
+    # (libtpu's memory-usage reports on 8, 16 and 64 v5p chips: benchmarks/LOG.md).
     # A term for the sequence at every length grew with the chips, and put the longest
     # contexts on 64 and 256 chips at 1.7-6.2 times their compiled bytes.
     lm = dict(heads=32, kv_heads=8, dim=4096, num_layers=2, vocab_size=128256,

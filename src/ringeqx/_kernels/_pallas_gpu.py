@@ -41,7 +41,7 @@ def _kinds(
 _L = _Launch
 # The default `(block_q, block_kv, num_warps, num_stages)` per (bits of the dtype,
 # head_dim) and kernel, read from ptxas on what XLA compiles for A100 (sm_80) and H100
-# (sm_90) (`aot/test_gpu_matrix.py`; the sweep is in benchmarks/RESULTS.md). For 16 bits:
+# (sm_90) (`aot/test_gpu_matrix.py`; the sweep is in benchmarks/LOG.md). For 16 bits:
 # the largest tiles with which no kernel spills on either, under the heaviest mask and
 # modifier (`Causal() & Document()` with ALiBi, GQA 4:1 and 1:1) and eight other
 # mask/modifier pairs; between equal areas, the one with registers to spare (at head_dim

@@ -759,7 +759,7 @@ class PallasTpuKernel(AbstractAttentionKernel):
         ```
     """
 
-    # The defaults are a v5e chip's best (benchmarks/RESULTS.md, issue 43): wide key
+    # The defaults are a v5e chip's best (benchmarks/LOG.md, issue 43): wide key
     # tiles, few grid steps; the backward's narrower, for its float32 dK/dV.
     block_q: int = eqx.field(static=True, default=1024, converter=as_int)
     block_kv: int = eqx.field(static=True, default=4096, converter=as_int)

@@ -133,7 +133,7 @@ def _tile_grads(q, k, v, d_out, lse, delta, qi, ki, mask, score_mod, scale, dens
     The tile is computed keys first, `[bk, groups * bq]` (a query head's group folded into
     the rows): every product then reads the large P and dS as they lie, and only the small
     K and dO tiles are transposed, where the queries-first order transposes P and dS (the
-    profile in `benchmarks/RESULTS.md`)."""
+    profile in `benchmarks/LOG.md`)."""
     b, kh, g, bq, d = q.shape
     bk = k.shape[2]
     q2, do2, lse2, de2 = (x.reshape((b, kh, g * bq) + x.shape[4:]) for x in (q, d_out, lse, delta))
