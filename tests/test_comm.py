@@ -89,27 +89,26 @@ def _ring_in_layout(layout, mask, m, config, **kwargs):
     return ring
 
 
-@pytest.mark.parametrize("devices", [4, 8])
-def test_knobs_match_reference(devices):
+# The two reordering strategies split between the two ring sizes: each knob meets each
+# strategy and each mask on one of them (both sizes once took 122 s of the suite).
+@pytest.mark.parametrize(
+    "devices, strategy", [(4, rx.Zigzag()), (8, rx.WorkBalanced(chunk=2, iterations=100))]
+)
+def test_knobs_match_reference(devices, strategy):
     m, hm = mesh(devices), _hybrid_mesh(devices // 2, 2)
     seq = CAP * devices
     seg = packed_segments(seq, [5, 11, 7])
     q, k, v = qkv(jax.random.key(devices), (), seq, HEADS, KV_HEADS, HEAD_DIM)
-    product = [
-        (strategy, mask)
-        for strategy in (rx.Zigzag(), rx.WorkBalanced(chunk=2, iterations=100))
-        for mask in (rx.Causal(), rx.Document(), rx.SlidingWindow(5))
-    ]
+    product = [(strategy, mask) for mask in (rx.Causal(), rx.Document(), rx.SlidingWindow(5))]
     # Contiguous shards with a window: the early-stopped ring (and the -1 direction's
     # shifted start) on both one- and two-sided windows.
     cases = [(s, mask, EXACT) for s, mask in product]
     cases += [(rx.Uniform(), rx.SlidingWindow(5), EXACT)]
     cases += [(rx.Uniform(), rx.SlidingWindow(5, True), EXACT)]
-    # The hybrid (rings of devices / 2 over a Ulysses axis of 2) with every strategy and
-    # mask; allgather (on the full ring, and on top of the hybrid) with every mask.
-    cases += [(s, mask, [HYBRID]) for s, mask in product]
-    cases += [(s, mask, [ALLGATHER]) for s, mask in product[::2]]
-    cases += [(product[3][0], product[3][1], [HYBRID_ALLGATHER])]
+    # The hybrid (rings of devices / 2 over a Ulysses axis of 2) with every mask;
+    # allgather (on the full ring, and on top of the hybrid) with every mask.
+    cases += [(s, mask, [HYBRID, ALLGATHER]) for s, mask in product]
+    cases += [(product[1][0], product[1][1], [HYBRID_ALLGATHER])]
     fns, refs = [], []
     for strategy, mask, configs in cases:
         ref_index = len(refs)
