@@ -711,6 +711,9 @@ class _Delegate(rx.AbstractAttentionKernel):
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(8, 8)]
 
+    def tiles(self, dtype, head_dim):
+        return self.inner.tiles(dtype, head_dim)
+
 
 class _DelegateTiles(rx.AbstractAttentionKernel):
     """A user kernel with tiles and its own candidates."""
@@ -729,6 +732,9 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(4, 8), (8, 4)]
+
+    def tiles(self, dtype, head_dim):
+        return self.block_q, self.block_kv
 
 
 def test_user_kernel_tiles():
