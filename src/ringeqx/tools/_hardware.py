@@ -98,7 +98,9 @@ _A100 = GpuFigures(
 )  # fmt: skip
 
 
-def _gpu(name: str, flops: float, bandwidth: float, figures: GpuFigures, target: str | None):
+def _gpu(
+    name: str, flops: float, bandwidth: float, figures: GpuFigures, target: str | None
+) -> Hardware:
     """A GPU's row: its memory is its compile-only description's (what XLA is told), one
     figure, not two."""
     return Hardware(name, flops, bandwidth, figures.memory_bytes, "gpu", target, figures)
