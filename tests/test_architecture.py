@@ -1,6 +1,8 @@
-"""The shape of the package: which module may import which, and how long a function is.
+"""The shape of the package: which module may import which, how long a function is, and
+that each rule (a chip's figures, a kernel's tiles) is defined once.
 
-Read from the source with `ast` (no import runs), so imports inside functions count too.
+Read from the source with `ast`, so imports inside functions count too; the rules of one
+definition ask the package only for the names and numbers they look for.
 """
 
 import ast
@@ -286,3 +288,200 @@ def test_the_design_doc_draws_every_top_level_entry_and_module():
     for folder in ("_ring", "_masks", "_layout", "_inference", "_cli", "_util"):
         for path in sorted((SRC / PACKAGE / folder).glob("_*.py")):
             assert path.name in design, f"docs/design.md's tree does not name {folder}/{path.name}"
+
+
+# One definition of each rule (issue 44). A question about a kernel is the kernel's method,
+# so nothing outside `_kernels/` switches on the package's own kernel classes; the chips
+# are described once, in the hardware table; a kernel's default tiles are written once, in
+# its own module. The first rule is read from the source alone; the other two ask the
+# package for the names and numbers they look for (the table's, the kernels' tiles).
+KERNELS = f"{PACKAGE}._kernels"
+HARDWARE_TABLE = f"{PACKAGE}.tools._hardware"
+
+
+def _kernel_classes(modules) -> dict[str, str]:
+    """The package's concrete kernels, by class name -> the module defining it: the
+    classes in `_kernels/` whose bases name `AbstractAttentionKernel`."""
+    found = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                _named(base) == "AbstractAttentionKernel" for base in node.bases
+            ):
+                found[node.name] = name
+    return {k: m for k, m in found.items() if m.startswith(KERNELS + ".")}
+
+
+def _named(node: ast.AST) -> str | None:
+    """`X` for `X` or `a.b.X`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _kernel_switches(name: str, source: str, kernels) -> list[str]:
+    """Where module `name` asks which of `kernels` an object is: `isinstance` or
+    `issubclass` naming one (alone or in a tuple), or a `case Kernel(...)` pattern."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        classes = []
+        if isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "issubclass"):
+            if len(node.args) == 2:
+                arg = node.args[1]
+                classes = arg.elts if isinstance(arg, ast.Tuple) else [arg]
+        elif isinstance(node, ast.MatchClass):
+            classes = [node.cls]
+        hits = sorted({c for c in map(_named, classes) if c in kernels})
+        found += [f"{name}:{node.lineno} switches on {c}" for c in hits]
+    return found
+
+
+def test_kernel_switches_are_read_correctly():
+    kernels = {"XlaKernel", "PallasTpuKernel"}
+    source = (
+        "def f(k):\n"
+        "    if isinstance(k, (int, rx.PallasTpuKernel)):\n        return 1\n"
+        "    match k:\n        case XlaKernel(block_q=8):\n            return 2\n"
+        "    return isinstance(k, AbstractAttentionKernel)\n"
+    )
+    assert _kernel_switches("m", source, kernels) == [
+        "m:2 switches on PallasTpuKernel",
+        "m:5 switches on XlaKernel",
+    ]
+    classes = _kernel_classes(_modules())
+    assert set(classes) == {"XlaKernel", "PallasGpuKernel", "PallasTpuKernel"}
+    assert classes["XlaKernel"] == f"{KERNELS}._xla"
+
+
+def test_nothing_outside_the_kernels_switches_on_a_kernel_class():
+    # The planner and the schedule once asked `isinstance(kernel, PallasTpuKernel)` for
+    # its tiles; they ask `kernel.tiles(dtype, head_dim)`, which a user's kernel answers
+    # too.
+    modules = _modules()
+    kernels = _kernel_classes(modules)
+    found = [
+        switch
+        for name, path in modules.items()
+        if not name.startswith(KERNELS + ".")
+        for switch in _kernel_switches(name, path.read_text(), kernels)
+    ]
+    assert not found, "switches on a kernel class outside _kernels/:\n" + "\n".join(found)
+
+
+def _chip_names() -> set[str]:
+    """The names the hardware table gives chips: its keys (`"tpu-v5e"`), its targets
+    (`"v5e"`, `"h100"`) and each key's generation (`"v4"`, `"a100"`)."""
+    from ringeqx.tools._hardware import HARDWARE, TARGETS
+
+    generations = {key.removeprefix("tpu-").split("-")[0] for key in HARDWARE}
+    return set(HARDWARE) | set(TARGETS) | generations
+
+
+def _chip_tables(name: str, source: str, chips: set[str]) -> list[str]:
+    """Module-level assignments of `name` that spell a chip's name (a table of chips)."""
+    found = []
+    for node in ast.parse(source).body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        named = sorted(
+            {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                and c.value.lower() in chips
+            }
+        )  # fmt: skip
+        if named:
+            found.append(f"{name}:{node.lineno} names {named}")
+    return found
+
+
+def test_chip_tables_are_read_correctly():
+    chips = _chip_names()
+    assert {"tpu-v5e", "v5e", "v4", "a100", "h200"} <= chips and "tpu" not in chips
+    source = (
+        'TPUS = ("v5e", "v5p")\nOK = {"tpu": 1}\nX: dict = {"H100": 2}\n'
+        'def f():\n    return {"v5e": 1}\n'
+    )
+    assert _chip_tables("m", source, chips) == [
+        "m:1 names ['v5e', 'v5p']",
+        "m:3 names ['H100']",
+    ]
+
+
+def test_one_hardware_table():
+    # `_targets.TPUS`, its GPUs' figures and the planner's target -> profile map were
+    # written out beside `HARDWARE`; they are read from it, so a chip is one row.
+    chips = _chip_names()
+    found = [
+        table
+        for name, path in _modules().items()
+        if name != HARDWARE_TABLE
+        for table in _chip_tables(name, path.read_text(), chips)
+    ]
+    assert not found, "tables of chips outside the hardware table:\n" + "\n".join(found)
+
+
+def _default_tiles() -> dict[tuple[int, int], set[str]]:
+    """Each default `(block_q, block_kv)` of the package's kernels (by name on every
+    device, for each dtype and head_dim they take) -> the modules of the kernels that
+    default to it."""
+    import jax.numpy as jnp
+
+    import ringeqx as rx
+
+    found: dict[tuple[int, int], set[str]] = {}
+    for name in ("xla", "pallas_gpu", "pallas_tpu"):
+        for device in ("cpu", "gpu", "tpu"):
+            kernel = rx.select_kernel(name, device, interpret=True)
+            for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+                for head_dim in (64, 128, 256):
+                    pair = kernel.tiles(dtype, head_dim)
+                    found.setdefault(pair, set()).add(type(kernel).__module__)
+    return found
+
+
+def _tile_literals(name: str, source: str, pairs) -> list[str]:
+    """Where module `name` writes one of `pairs` as a literal `(block_q, block_kv)`, or
+    an integer `block_q=` / `block_kv=` keyword."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2:
+            values = tuple(e.value if isinstance(e, ast.Constant) else None for e in node.elts)
+            if values in pairs:
+                found.append(f"{name}:{node.lineno} writes {values}")
+        elif isinstance(node, ast.keyword) and node.arg in ("block_q", "block_kv"):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, int):
+                found.append(f"{name}:{node.value.lineno} writes {node.arg}={node.value.value}")
+    return found
+
+
+def test_tile_literals_are_read_correctly():
+    tiles = _default_tiles()
+    assert {(256, 256), (512, 1024), (1024, 4096), (64, 64), (32, 32)} <= set(tiles)
+    assert tiles[256, 256] == {f"{KERNELS}._xla"}
+    source = (
+        '_BLOCKS = {("xla", "cpu"): (256, 256)}\n'
+        "k = XlaKernel(block_q=512, block_kv=n)\nshape = (256, 3)\n"
+    )
+    assert _tile_literals("m", source, tiles) == [
+        "m:1 writes (256, 256)",
+        "m:2 writes block_q=512",
+    ]
+
+
+def test_each_kernels_default_tiles_are_written_once():
+    # `select_kernel` once held XlaKernel's tiles per device (`_BLOCKS`) and the planner
+    # and the schedule read a kernel's defaults their own ways; now a kernel's module
+    # alone writes them, and everything else asks `kernel.tiles(dtype, head_dim)`. A
+    # module that defines a kernel may write what it likes (its candidates, its table).
+    modules = _modules()
+    owners = set(_kernel_classes(modules).values())
+    tiles = _default_tiles()
+    found = [
+        literal
+        for name, path in modules.items()
+        if name not in owners
+        for literal in _tile_literals(name, path.read_text(), tiles)
+    ]
+    assert not found, "a kernel's default tiles written outside its module:\n" + "\n".join(found)

@@ -567,6 +567,9 @@ def test_both_orders_give_the_reference():
 # 7. Sizes, budgets and counts of the cost model and the planner.
 
 
+_H100 = rx.tools.HARDWARE["h100"].gpu
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -587,6 +590,12 @@ def test_both_orders_give_the_reference():
             lambda: rx.tools.Hardware("x", 1e12, 1e9, memory=0),
             r"`Hardware memory` must be an integer",
         ),
+        (lambda: rx.tools.Hardware("x", 1e12, 1e9, kind="npu"),
+         r"`Hardware kind` must be 'tpu', 'gpu' or None; got 'npu'"),
+        (lambda: rx.tools.Hardware("x", 1e12, 1e9, kind="tpu", gpu=_H100),
+         r"`Hardware gpu` figures describe a GPU: `kind` must be 'gpu'; got 'tpu'"),
+        (lambda: rx.tools.Hardware("x", 1e12, 1e9, kind="gpu", target="x100"),
+         r"`Hardware target` 'x100' needs `gpu` figures exactly when `kind` is 'gpu'"),
         (lambda: rx.tools.table2(heads=0), r"`heads` must be an integer >= 1; got 0"),
         (lambda: rx.tools.table2(heads=8, kv_heads=3), r"heads=8, kv_heads=3"),
         (lambda: rx.tools.table2(kv_dtype="int8"), r"`kv_dtype` must be a floating dtype .*'int8'"),

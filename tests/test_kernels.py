@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 import ringeqx as rx
 from ringeqx._kernels import _pallas_tiles as tiles
-from ringeqx._kernels._select import resolve_device_type
+from ringeqx._kernels._select import default_kernel, resolve_device_type
 
 
 XLA = rx.XlaKernel(block_q=8, block_kv=4)
@@ -711,6 +711,9 @@ class _Delegate(rx.AbstractAttentionKernel):
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(8, 8)]
 
+    def tiles(self, dtype, head_dim):
+        return self.inner.tiles(dtype, head_dim)
+
 
 class _DelegateTiles(rx.AbstractAttentionKernel):
     """A user kernel with tiles and its own candidates."""
@@ -729,6 +732,9 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(4, 8), (8, 4)]
+
+    def tiles(self, dtype, head_dim):
+        return self.block_q, self.block_kv
 
 
 def test_user_kernel_tiles():
@@ -749,6 +755,29 @@ def test_user_kernel_tiles():
         32, 128, 8, 2
     )
     assert (256, 256) in rx.XlaKernel().tile_candidates()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kernels_say_their_own_tiles(dtype, head_dim):
+    # Asked of the kernel (issue 44): the fields where the kernel has them, else its table;
+    # by name, each device's defaults.
+    by_name = {
+        d: rx.select_kernel("xla", d, interpret=True).tiles(dtype, head_dim)
+        for d in ("cpu", "gpu", "tpu")
+    }
+    assert by_name == {"cpu": (256, 256), "gpu": (512, 1024), "tpu": (512, 1024)}
+    assert rx.XlaKernel(8, 16).tiles(dtype, head_dim) == (8, 16)
+    assert rx.PallasTpuKernel().tiles(dtype, head_dim) == (1024, 4096)
+    gpu = rx.PallasGpuKernel()
+    assert gpu.tiles(dtype, head_dim) == gpu.launch("forward", dtype, head_dim)[:2]
+    assert rx.PallasGpuKernel(block_kv=128).tiles(dtype, head_dim)[1] == 128
+    assert _DelegateTiles().tiles(dtype, head_dim) == (8, 8)
+    # What the planner asks about a device it does not have: the "auto" kernel's.
+    assert isinstance(default_kernel("tpu"), rx.PallasTpuKernel)
+    assert default_kernel("cpu").tiles(dtype, head_dim) == (256, 256)
+    assert rx.XlaKernel().unsupported_head_dim(head_dim) is None
+    assert rx.XlaKernel().unsupported_dtype("float16") is None
 
 
 def test_tune_block_sizes_errors():

@@ -5,7 +5,8 @@ names and sizes are clear errors. The meshes themselves are compiled for in `aot
 import pytest
 
 import ringeqx as rx
-from ringeqx.tools._targets import GPUS, gpu_target_config
+from ringeqx.tools._hardware import TARGETS
+from ringeqx.tools._targets import GPUS, TPUS, gpu_target_config
 
 
 def test_missing_compilers_name_their_package():
@@ -50,3 +51,22 @@ def test_gpu_target_configs_carry_the_published_figures():
     assert set(GPUS) == {"a100", "h100", "h200"}
     with pytest.raises(ValueError, match="Unknown GPU 'b200'; known GPUs: a100, h100, h200"):
         gpu_target_config("b200")
+
+
+def test_the_targets_are_read_from_the_hardware_table():
+    # One table (issue 44): the targets, their profiles and a GPU's figures are its rows'.
+    hardware = rx.tools.HARDWARE
+    assert TPUS == ("v5e", "v5p", "v6e")
+    assert dict(TARGETS) == {
+        "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
+        "a100": "a100-nvlink", "h100": "h100", "h200": "h200",
+    }  # fmt: skip
+    for target, key in TARGETS.items():
+        assert hardware[key].target == target
+        assert hardware[key].kind == ("tpu" if target in TPUS else "gpu")
+    for gpu, figures in GPUS.items():
+        assert figures is hardware[TARGETS[gpu]].gpu
+        assert figures.memory_bytes == hardware[TARGETS[gpu]].memory
+    assert {key for key, hw in hardware.items() if hw.target is None} == {
+        "a100-infiniband", "tpu-v3", "tpu-v4",
+    }  # fmt: skip

@@ -6,7 +6,15 @@ import os
 import re
 
 from ..tools._hardware import HARDWARE
-from ._flags import budget_mib, common, float_dtype, positive, target, target_chips
+from ._flags import (
+    budget_mib,
+    common,
+    float_dtype,
+    positive,
+    target,
+    target_chips,
+    target_device,
+)
 from ._output import say
 
 
@@ -91,7 +99,7 @@ def plan_defaults(args: argparse.Namespace) -> None:
         args.profile = "h100" if args.profile is None else args.profile
         return
     args.devices = target_chips(args.target)
-    if not args.target.startswith("v"):
+    if HARDWARE[target_device(args.target)].kind == "gpu":
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 

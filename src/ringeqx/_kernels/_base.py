@@ -1,6 +1,7 @@
 """The contract every per-device attention kernel meets."""
 
 import abc
+from typing import Any
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Float
@@ -46,10 +47,34 @@ class AbstractAttentionKernel(eqx.Module):
     kernel), which [`ringeqx.tools.schedule`][] counts and [`ringeqx.tune_block_sizes`][]
     tunes; `interpret` is a static field of the Pallas kernels. `PallasGpuKernel`'s
     tiles may be None: chosen per call from its tuned table, by dtype and head_dim.
+    Whoever needs the numbers (the planner, the schedule) asks `tiles`, so that each
+    kernel's defaults are written once, in its own file.
     """
 
     block_q: eqx.AbstractVar[int]
     block_kv: eqx.AbstractVar[int]
+
+    @abc.abstractmethod
+    def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
+        """The forward's `(block_q, block_kv)` on inputs of `dtype` and `head_dim`,
+        before they shrink to a shorter sequence: the fields, or where the kernel leaves
+        them to a table (`PallasGpuKernel`), the table's entry. A kernel may narrow its
+        key tile further inside where it copies tiles in pieces (`PallasTpuKernel` past
+        head_dim 128); the planner and the schedule count these tiles."""
+
+    def unsupported_head_dim(self, head_dim: int) -> str | None:
+        """None where the kernel takes heads `head_dim` wide; else a description of the
+        head dims it does take, for a planner to refuse before it plans. The default
+        None is right for a kernel that takes every width (`XlaKernel`); the Pallas
+        kernels override it."""
+        return None
+
+    def unsupported_dtype(self, dtype: str) -> str | None:
+        """None where the kernel takes q/k/v of `dtype` (a name); else the dtypes it
+        takes, for a planner to refuse before it compiles. The default None is right for
+        a kernel that takes every floating dtype (`XlaKernel`); the Pallas kernels
+        override it."""
+        return None
 
     @abc.abstractmethod
     def tile_candidates(self) -> list[tuple[int, int]]:

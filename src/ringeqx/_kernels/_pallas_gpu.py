@@ -479,6 +479,9 @@ class PallasGpuKernel(AbstractAttentionKernel):
         # ones, see `_TUNED`).
         return list(_CANDIDATES)
 
+    def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
+        return self.launch("forward", dtype, head_dim)[:2]
+
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
             value = getattr(self, name)

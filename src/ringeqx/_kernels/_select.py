@@ -7,21 +7,11 @@ import jax
 from ._base import AbstractAttentionKernel
 from ._pallas_gpu import PallasGpuKernel
 from ._pallas_tpu import PallasTpuKernel
-from ._xla import XlaKernel
+from ._xla import xla_kernel
 
 
 KernelName = Literal["auto", "xla", "pallas_gpu", "pallas_tpu"]
 DeviceType = Literal["auto", "cpu", "gpu", "tpu"]
-
-# Default tiles `(block_q, block_kv)` of XlaKernel per device: XLA wants big tiles
-# (fewer loop steps). `PallasTpuKernel()` says its own.
-# A Triton program keeps its tile of scores in registers: `PallasGpuKernel()` picks its
-# tiles per dtype, head_dim and kernel from a table tuned so that none spills.
-_BLOCKS = {
-    ("xla", "cpu"): (256, 256),
-    ("xla", "gpu"): (512, 1024),
-    ("xla", "tpu"): (512, 1024),
-}
 
 
 def _device_of_platform(platform: str, origin: str) -> Literal["cpu", "gpu", "tpu"]:
@@ -116,20 +106,24 @@ def _by_name(kernel: str, device: str, interpret: bool) -> AbstractAttentionKern
                 case _:
                     raise AssertionError(device)
         case "xla":
-            block_q, block_kv = _BLOCKS["xla", device]
-            return XlaKernel(block_q=block_q, block_kv=block_kv)
+            return xla_kernel(device)  # its default tiles on `device`
         case "pallas_gpu":
             _pallas_device(kernel, "gpu", device, interpret)
             return PallasGpuKernel(interpret=interpret)
         case "pallas_tpu":
             _pallas_device(kernel, "tpu", device, interpret)
-            # The kernel's own defaults (a v5e chip's best tiles).
             return PallasTpuKernel(interpret=interpret)
         case _:
             raise ValueError(
                 "`kernel` must be 'auto', 'xla', 'pallas_gpu', 'pallas_tpu' or an "
                 f"AbstractAttentionKernel; got {kernel!r}."
             )
+
+
+def default_kernel(device: Literal["cpu", "gpu", "tpu"]) -> AbstractAttentionKernel:
+    """The kernel `"auto"` gives on `device` devices, with its default tiles, without
+    asking JAX for such devices: what a planner asks about a device it does not have."""
+    return _by_name("auto", device, interpret=False)
 
 
 def select_kernel(

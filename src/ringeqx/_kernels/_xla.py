@@ -2,7 +2,8 @@
 
 import functools
 import math
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -185,6 +186,20 @@ def _masked_pv(p: Array, v: Array, ok: Array) -> Array:
     return jnp.where(_attends(ok, bad), jnp.nan, _pv(p, v_finite))
 
 
+# Default tiles `(block_q, block_kv)` per device type, the kernel's only definition of
+# them. XLA wants big tiles on an accelerator (fewer loop steps); on the CPU 256 x 256 is
+# as fast through the ring and holds less (docs/design.md). The fields' defaults are
+# the CPU's.
+_DEVICE_TILES = MappingProxyType({"cpu": (256, 256), "gpu": (512, 1024), "tpu": (512, 1024)})
+
+
+def xla_kernel(device: Literal["cpu", "gpu", "tpu"]) -> "XlaKernel":
+    """`XlaKernel` with its default tiles on `device` devices (what
+    [`ringeqx.select_kernel`][] gives for `"xla"`)."""
+    block_q, block_kv = _DEVICE_TILES[device]
+    return XlaKernel(block_q=block_q, block_kv=block_kv)
+
+
 class XlaKernel(AbstractAttentionKernel):
     """Flash attention tiled in `block_q x block_kv` tiles, written in plain JAX.
 
@@ -213,12 +228,15 @@ class XlaKernel(AbstractAttentionKernel):
         ```
     """
 
-    block_q: int = eqx.field(static=True, default=256, converter=as_int)
-    block_kv: int = eqx.field(static=True, default=256, converter=as_int)
+    block_q: int = eqx.field(static=True, default=_DEVICE_TILES["cpu"][0], converter=as_int)
+    block_kv: int = eqx.field(static=True, default=_DEVICE_TILES["cpu"][1], converter=as_int)
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         sizes = (256, 512, 1024)
         return [(bq, bk) for bq in sizes for bk in sizes]
+
+    def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
+        return self.block_q, self.block_kv
 
     def __check_init__(self):
         for name in ("block_q", "block_kv"):

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._kernels._base import AbstractAttentionKernel
-from .._kernels._pallas_gpu import PallasGpuKernel
 from .._kernels._select import KernelName, select_kernel
 from .._kernels._tiling import tile_info
 from .._layout._layout import Layout
@@ -104,8 +103,8 @@ def schedule(
         kernel's schedule can be planned on a laptop), or a name that
         [`ringeqx.select_kernel`][] resolves for the present device, as
         [`ringeqx.ring_attention`][] does (default `"auto"`: the ring's own default).
-        A `PallasGpuKernel` whose tiles are left to its table (they depend on the
-        dtype and head_dim) is counted with its forward's for bfloat16 at head_dim 128.
+        Its tiles are the ones its `tiles` gives for bfloat16 at head_dim 128 (a
+        `PallasGpuKernel` leaves them to a table by dtype and head_dim).
 
     **Returns:** a [`ringeqx.tools.Schedule`][]; see its `imbalance` and `critical_path`.
 
@@ -122,12 +121,9 @@ def schedule(
     # The window is read here, outside the jit below, where a concrete layout still has
     # its values: the ring sees them the same way.
     ahead, steps = ring_window(mask, layout)
-    block_q, block_kv = kernel.block_q, kernel.block_kv
-    if isinstance(kernel, PallasGpuKernel):
-        # Its tiles default to a table by dtype and head_dim, which a layout does not
-        # have: count the forward's for bfloat16 at head_dim 128.
-        block_q, block_kv, _, _ = kernel.launch("forward", jnp.bfloat16, 128)
-    assert block_q is not None and block_kv is not None, kernel
+    # A kernel's tiles may depend on the dtype and head_dim (`PallasGpuKernel`'s table),
+    # which a layout does not have: count the forward's for bfloat16 at head_dim 128.
+    block_q, block_kv = kernel.tiles(jnp.bfloat16, 128)
     return _schedule(layout, mask, block_q, block_kv, ahead, steps)
 
 

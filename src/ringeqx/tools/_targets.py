@@ -13,58 +13,30 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import NamedTuple
+from types import MappingProxyType
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-
-class GpuFigures(NamedTuple):
-    """A GPU's published figures, as the CUDA compiler needs them."""
-
-    name: str
-    compute_capability: tuple[int, int]
-    sm_count: int
-    clock_ghz: float
-    memory_bytes: int
-    memory_bandwidth: float  # bytes/s
-    l2_bytes: int
-    shared_per_sm: int  # bytes
-    shared_per_block_optin: int  # bytes
-    fp32_lanes_per_sm: int
+from ._hardware import HARDWARE, TARGETS, GpuFigures
 
 
-_KIB, _MIB, _GB = 1024, 1024**2, 10**9
+_KIB = 1024
 
-# NVIDIA's data sheets and CUDA programming guide (compute capability tables):
-# H100 SXM5: 132 SMs, 1.98 GHz boost, 80 GB HBM3 at 3.35 TB/s, 50 MB L2, 228 KB shared
-# memory per SM (227 KB per block opt-in), 128 FP32 lanes per SM.
-# H200 SXM: the H100's die with 141 GB HBM3e at 4.8 TB/s.
-# A100 SXM4 80GB: 108 SMs, 1.41 GHz boost, 2.039 TB/s, 40 MB L2, 164 KB shared per SM
-# (163 KB per block opt-in), 64 FP32 lanes per SM.
-GPUS = {
-    "h100": GpuFigures(
-        "NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 80 * _GB, 3.35e12, 50 * _MIB,
-        228 * _KIB, 227 * _KIB, 128,
-    ),
-    "h200": GpuFigures(
-        "NVIDIA H200", (9, 0), 132, 1.98, 141 * _GB, 4.8e12, 50 * _MIB,
-        228 * _KIB, 227 * _KIB, 128,
-    ),
-    "a100": GpuFigures(
-        "NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 80 * _GB, 2.039e12, 40 * _MIB,
-        164 * _KIB, 163 * _KIB, 64,
-    ),
-}
-
-# TPU generations libtpu describes by name: `"v5p"` for `v5p:XxYxZ` slices.
-TPUS = ("v5e", "v5p", "v6e")
+# The compile-only targets, read from the hardware table (its `target` and `gpu` fields):
+# TPU generations libtpu describes by name (`"v5p"` for `v5p:XxYxZ` slices), in the
+# table's order, and GPUs by name with the figures their descriptions are written from.
+TPUS = tuple(t for t, key in TARGETS.items() if HARDWARE[key].kind == "tpu")
+GPUS: "MappingProxyType[str, GpuFigures]" = MappingProxyType(
+    {t: figures for t, key in TARGETS.items() if (figures := HARDWARE[key].gpu) is not None}
+)
 
 
 def gpu_target_config(gpu: str) -> str:
     """The `GpuTargetConfigProto` text of a GPU named in `GPUS` (what XLA's CUDA
-    compiler reads instead of querying a device)."""
+    compiler reads instead of querying a device), from its figures in the hardware
+    table."""
     f = _gpu(gpu)
     major, minor = f.compute_capability
     return f"""gpu_device_info {{
@@ -240,7 +212,7 @@ def target_mesh(
         libtpu describes as two devices each) with its slice,
         as `"v5p:4x4x4"` or `target_mesh("v5p", "4x4x4")` (a single chip too, as
         `"v5e:1x1"`); or a GPU (`"h100"`, `"h200"`,
-        `"a100"`; their published figures are in `ringeqx.tools._targets.GPUS`) with a
+        `"a100"`; their published figures are in [`ringeqx.tools.HARDWARE`][]) with a
         device count (default 8; more than 8 are hosts of 8), as `"h100:8"` or
         `target_mesh("h100", 8)`.
     - `size`: the slice topology (TPU) or device count (GPU), when `target` has none.

@@ -4,8 +4,7 @@ searched cheapest in compute first, and what would fit when nothing does."""
 import jax
 import jax.numpy as jnp
 
-from ..._kernels._pallas_gpu import PallasGpuKernel
-from ..._kernels._pallas_tpu import PallasTpuKernel
+from ..._kernels._select import default_kernel
 from ..._masks._base import AbstractMask
 from ..._masks._positional import Full
 from ..._ring._steps import ring_window
@@ -29,10 +28,11 @@ _MIB = 2**20
 
 
 def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
-    """The forward tiles of the Pallas kernel an accelerator's mesh picks (its defaults
-    on a TPU, its tuned table on a GPU, for the problem's dtype and head_dim); a
-    ValueError where that kernel does not take the problem's head_dim."""
-    kernel = PallasTpuKernel() if cfg.device.startswith("tpu") else PallasGpuKernel()
+    """The forward tiles of the kernel `kernel="auto"` picks on the profile's devices
+    (on an accelerator its Pallas kernel: its defaults on a TPU, its tuned table on a
+    GPU, for the problem's dtype and head_dim), asked of the kernel; a ValueError where
+    that kernel does not take the problem's head_dim or dtype."""
+    kernel = default_kernel(family(cfg.device))
     expected = kernel.unsupported_head_dim(cfg.head_dim)
     if expected is not None:
         lm = " (the LM's `dim` / `heads`)" if cfg.kind == "lm" else ""
@@ -48,18 +48,16 @@ def kernel_tiles(cfg: "Problem") -> tuple[int, int]:
             f"`dtype`={cfg.dtype} is not a dtype {type(kernel).__name__}, the kernel of "
             f"{cfg.device!r} devices, takes: expected one of {expected}."
         )
-    if isinstance(kernel, PallasTpuKernel):
-        return kernel.block_q, kernel.block_kv
-    return kernel.launch("forward", cfg.dtype, cfg.head_dim)[:2]
+    return kernel.tiles(cfg.dtype, cfg.head_dim)
 
 
 def _tiles(cfg: "Problem") -> tuple[int, ...]:
-    """Square tiles to try, preferred first: 256 on the CPU (as fast as 512 there, see
-    docs/design.md), smaller ones only save memory. On an accelerator the Pallas kernel's
-    own tiles: they live in on-chip memory, so smaller ones would save no HBM."""
-    if family(cfg.device) == "cpu":
-        return (256, 128, 64)
-    return (kernel_tiles(cfg)[0],)
+    """Square tiles to try, preferred first: on the CPU the XLA kernel's default (as
+    fast as larger ones there, see docs/design.md), then two halvings, which only save
+    memory. On an accelerator the Pallas kernel's own tiles: they live in on-chip memory,
+    so smaller ones would save no HBM."""
+    block = kernel_tiles(cfg)[0]
+    return (block, block // 2, block // 4) if family(cfg.device) == "cpu" else (block,)
 
 
 def _ring_size(

@@ -22,9 +22,11 @@ constant calibrated against the compiler's `memory_analysis()`, per family of co
 """
 
 import math
+from typing import Literal
 
 import equinox as eqx
 
+from .._hardware import HARDWARE
 from ._constants import ATTENTION, HEADROOM, LM, WIDTHS
 
 
@@ -188,12 +190,14 @@ def attention_io(s: Shapes) -> int:
     return 2 * (2 * q + 2 * kv) * s.itemsize
 
 
-def family(device: str) -> str:
+def family(device: str) -> Literal["cpu", "gpu", "tpu"]:
     """The family of compiler a device profile's programs are calibrated against:
-    `"cpu"`, `"tpu"` (a `tpu-*` profile) or `"gpu"` (the others)."""
+    `"cpu"`, or the kind (`"tpu"`, `"gpu"`) its row of the hardware table gives."""
     if device == "cpu":
         return "cpu"
-    return "tpu" if device.startswith("tpu") else "gpu"
+    kind = HARDWARE[device].kind
+    assert kind is not None, f"the hardware table's {device!r} has no kind"
+    return kind
 
 
 def attention_regime(s: Shapes) -> str:

@@ -11,7 +11,7 @@ from ..._masks._base import AbstractMask
 from ..._masks._positional import Causal
 from ..._util._numbers import as_int, check_size, is_int
 from .._cost import float_itemsize
-from .._hardware import HARDWARE
+from .._hardware import HARDWARE, TARGETS
 
 
 Remat = Literal["none", "attention", "block"]
@@ -41,36 +41,26 @@ class Problem(NamedTuple):
     max_memory_usage: int
 
 
-# A target's generation (as `ringeqx.tools.target_mesh` names it) -> its device profile.
-_PROFILES = {
-    "v5e": "tpu-v5e",
-    "v5p": "tpu-v5p",
-    "v6e": "tpu-v6e",
-    "a100": "a100-nvlink",
-    "h100": "h100",
-    "h200": "h200",
-}
-
-
 def target_chips(target: str) -> int:
     """The chip count of `"v5p:4x4x4"` (a slice) or `"h100:8"` (a count), read from the
     name (no compiler needed); a ValueError naming `target` for anything else."""
     name, _, size = target.partition(":") if isinstance(target, str) else ("", "", "")
     dims = size.split("x")
-    if name not in _PROFILES or not all(d.isdigit() and int(d) > 0 for d in dims):
+    if name not in TARGETS or not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ValueError(
             "`target` must be a TPU generation and slice ('v5p:4x4x4') or a GPU and a "
-            f"count ('h100:8'), from {sorted(_PROFILES)}; got {target!r}."
+            f"count ('h100:8'), from {sorted(TARGETS)}; got {target!r}."
         )
-    if name.startswith("v") != (len(dims) > 1):
-        what = "a slice like 'v5p:4x4x4'" if name.startswith("v") else "a count like 'h100:8'"
+    tpu = HARDWARE[TARGETS[name]].kind == "tpu"
+    if tpu != (len(dims) > 1):
+        what = "a slice like 'v5p:4x4x4'" if tpu else "a count like 'h100:8'"
         raise ValueError(f"`target` {target!r}: {name} needs {what}.")
     return math.prod(int(d) for d in dims)
 
 
 def target_device(target: str) -> str:
     """The device profile (a key of `HARDWARE`) of a valid `target`'s chips."""
-    return _PROFILES[target.partition(":")[0]]
+    return TARGETS[target.partition(":")[0]]
 
 
 def target_profile(target: str, device: str, devices: int) -> str:
