@@ -54,9 +54,6 @@ class _SplitTiles(AbstractAttentionKernel):
     def tile_candidates(self):
         return [(self.block_q, self.block_kv)]
 
-    def tiles(self, dtype, head_dim):
-        return self.block_q, self.block_kv
-
     def devices(self):
         return frozenset({"cpu", "gpu", "tpu"})
 

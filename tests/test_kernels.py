@@ -716,7 +716,8 @@ class _Delegate(rx.AbstractAttentionKernel):
 
 
 class _DelegateTiles(rx.AbstractAttentionKernel):
-    """A user kernel with tiles and its own candidates."""
+    """A user kernel with its own candidates and no `tiles` method (the base class
+    reads its fields)."""
 
     block_q: int = eqx.field(static=True, default=8)
     block_kv: int = eqx.field(static=True, default=8)
@@ -732,9 +733,6 @@ class _DelegateTiles(rx.AbstractAttentionKernel):
 
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(4, 8), (8, 4)]
-
-    def tiles(self, dtype, head_dim):
-        return self.block_q, self.block_kv
 
 
 def test_user_kernel_tiles():

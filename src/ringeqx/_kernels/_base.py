@@ -54,13 +54,15 @@ class AbstractAttentionKernel(eqx.Module):
     block_q: eqx.AbstractVar[int]
     block_kv: eqx.AbstractVar[int]
 
-    @abc.abstractmethod
     def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
         """The forward's `(block_q, block_kv)` on inputs of `dtype` and `head_dim`,
-        before they shrink to a shorter sequence: the fields, or where the kernel leaves
-        them to a table (`PallasGpuKernel`), the table's entry. A kernel may narrow its
-        key tile further inside where it copies tiles in pieces (`PallasTpuKernel` past
-        head_dim 128); the planner and the schedule count these tiles."""
+        before they shrink to a shorter sequence: the fields (this default, so that a
+        user's kernel written before this method needs nothing new), or where the kernel
+        leaves them to a table (`PallasGpuKernel`), the table's entry. A kernel may
+        narrow its key tile further inside where it copies tiles in pieces
+        (`PallasTpuKernel` past head_dim 128); the planner and the schedule count these
+        tiles."""
+        return self.block_q, self.block_kv
 
     def unsupported_head_dim(self, head_dim: int) -> str | None:
         """None where the kernel takes heads `head_dim` wide; else a description of the

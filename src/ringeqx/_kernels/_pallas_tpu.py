@@ -771,11 +771,6 @@ class PallasTpuKernel(AbstractAttentionKernel):
     def tile_candidates(self) -> list[tuple[int, int]]:
         return [(256, 512), (512, 512), (512, 1024), (1024, 1024)]
 
-    def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
-        # The fields, whatever the inputs; past head_dim 128 `_tiling` copies narrower
-        # key tiles (`_key_tile_cap`).
-        return self.block_q, self.block_kv
-
     def __check_init__(self):
         for name, multiple in (("block_q", _SUBLANES), ("block_kv", _LANES)):
             value = getattr(self, name)

@@ -3,7 +3,7 @@
 import functools
 import math
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -234,9 +234,6 @@ class XlaKernel(AbstractAttentionKernel):
     def tile_candidates(self) -> list[tuple[int, int]]:
         sizes = (256, 512, 1024)
         return [(bq, bk) for bq in sizes for bk in sizes]
-
-    def tiles(self, dtype: Any, head_dim: int) -> tuple[int, int]:
-        return self.block_q, self.block_kv
 
     def __check_init__(self):
         for name in ("block_q", "block_kv"):
