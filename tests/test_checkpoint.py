@@ -229,6 +229,14 @@ def test_pickle_files_still_load_but_warn(tmp_path):
     with pytest.warns(DeprecationWarning):
         attention = rx.nn.load_model(old)
     assert attention.mask == rx.Causal() & rx.SlidingWindow(4)
+    # A model saved before `nn/_transformer.py` was split into `_block.py` and `_lm.py`
+    # names `ringeqx.nn._transformer.RingTransformerLM` and `.TransformerBlock`.
+    old = os.path.join(os.path.dirname(__file__), "data", "lm_before_block_split.eqx")
+    with pytest.warns(DeprecationWarning):
+        lm = rx.nn.load_model(old)
+    assert isinstance(lm, rx.nn.RingTransformerLM)
+    assert isinstance(lm.blocks[0], rx.nn.TransformerBlock)
+    assert lm.blocks[0].attention.mask == rx.Causal()
 
 
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):

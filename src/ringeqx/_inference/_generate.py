@@ -8,14 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._layout._layout import Layout
 from .._ring._mesh import batch_axis as mesh_batch_axis
 from .._strategies._base import AbstractShardingStrategy
 from .._strategies._uniform import Uniform
 from .._util._numbers import as_int, check_size, concrete_scalar, is_int
-from ..nn._transformer import RingTransformerLM
+from ..nn._lm import RingTransformerLM, run_decode, run_prefill
+from ._checks import check_generate_prompt, inference_mesh
 from ._decode import error_if_together
-from ._kvcache import check_servable, inference_mesh, layer_masks
 
 
 def sample(
@@ -40,15 +39,17 @@ def sample(
 def _generate(model, tokens, layout, keys, temperature, steps, top_k, mesh, batch_axis):
     """Prefill and `steps` decode steps for a batch of prompts in layout order; one
     compiled program per shape (the decode step is traced once, inside the scan)."""
+    layers = model.layers  # with `scan_layers`, each one sliced from the stack
 
     def one(tokens, layout, key):
-        logits, cache = model.prefill(tokens, layout, max_new_tokens=steps, mesh=mesh)
+        # Checked and resolved once, by `_arguments`: the model's steps, run unchecked.
+        logits, cache = run_prefill(model, layers, tokens, layout, steps, mesh)
 
         def step(carry, key):
             logits, cache = carry
             token = sample(logits, key, temperature, top_k)
             # Checked once after the loop, so the compiled step has no host callback.
-            new_logits, cache = model.decode(token, cache, mesh=mesh, on_overflow="flag")
+            new_logits, cache = run_decode(model, layers, token, cache, mesh, "flag")
             return (new_logits, cache), (token, logits.astype(jnp.float32))
 
         init = (logits, cache)
@@ -68,51 +69,6 @@ def _generate(model, tokens, layout, keys, temperature, steps, top_k, mesh, batc
         mesh,
     )
     return out, seen
-
-
-def _check_ids(name: str, ids, prompt) -> None:
-    """Ids for every prompt (`[seq]`, shared) or one row per prompt (`[batch, seq]`)."""
-    if ids is None:
-        return
-    shape, seq = jnp.shape(ids), prompt.shape[-1]
-    if shape not in ((seq,), prompt.shape):
-        want = f"[seq={seq}]"
-        if prompt.ndim == 2:
-            want += f" or [batch={prompt.shape[0]}, seq={seq}]"
-        raise ValueError(f"`{name}` must have shape {want} (the prompt's); got shape {shape}.")
-
-
-def _prompt_layout(prompt, strategy, segment_ids, span_ids, num_shards: int) -> Layout:
-    if prompt.ndim not in (1, 2) or not jnp.issubdtype(prompt.dtype, jnp.integer):
-        raise ValueError(
-            "`prompt` must be an integer array [seq] or [batch, seq]; got "
-            f"{prompt.dtype} of shape {prompt.shape}."
-        )
-    _check_ids("segment_ids", segment_ids, prompt)
-    _check_ids("span_ids", span_ids, prompt)
-    strategy = Uniform() if strategy is None else strategy
-    return strategy.layout(
-        prompt.shape[-1], num_shards, segment_ids=segment_ids, span_ids=span_ids
-    )
-
-
-def _check_masks(model, layout: Layout, segment_ids, span_ids, steps: int) -> None:
-    """Masks `generate` can serve: the ids they read were given (the layout would hold
-    placeholders), and, where the prompt's records are known, no prompt token may see a
-    generated one (which a KV cache cannot serve; else the decode steps check it)."""
-    masks = layer_masks(model.layers)
-    for name, mask in masks:
-        reads = mask.reads()
-        for ids, field, given in (
-            ("segment_ids", "segments", segment_ids),
-            ("span_ids", "spans", span_ids),
-        ):
-            if given is None and field in reads:
-                raise ValueError(
-                    f"`{ids}` must be given: {name} ({type(mask).__name__}) reads "
-                    f"`{field}`; got {ids}=None."
-                )
-    check_servable(masks, layout.token_info(), layout.seq_len, steps)
 
 
 def _check_sampling(key, temperature) -> None:
@@ -143,24 +99,6 @@ def _check_sampling(key, temperature) -> None:
         )
 
 
-def _check_tokens(prompt: Array, vocab_size: int, mesh) -> Array:
-    """`prompt`, whose ids must index the vocabulary (an embedding lookup would clamp
-    them onto other tokens): checked now when known, else at run time (on every device
-    of `mesh` together)."""
-    if not isinstance(prompt, jax.core.Tracer):
-        bad = np.asarray(prompt)
-        bad = bad[(bad < 0) | (bad >= vocab_size)]
-        if bad.size:
-            raise ValueError(
-                f"`prompt` token ids must be in [0, {vocab_size}) (the model's vocab_size); "
-                f"got {bad.size} outside it, e.g. {int(bad[0])}."
-            )
-        return prompt
-    outside = jnp.any((prompt < 0) | (prompt >= vocab_size))
-    msg = f"`prompt` token ids must be in [0, {vocab_size}) (the vocab_size)."
-    return error_if_together(prompt, outside, msg, mesh)
-
-
 def _arguments(
     model, prompt, steps, key, temperature, top_k, strategy, segment_ids, mesh, span_ids=None
 ):
@@ -171,12 +109,19 @@ def _arguments(
     if top_k is not None and not (is_int(top_k) and top_k >= 1):
         raise ValueError(f"`top_k` must be None or an integer >= 1; got {top_k!r}.")
     _check_sampling(key, temperature)
-    axis = model.layers[0].attention.axis_name
-    mesh = inference_mesh(mesh, axis)
-    prompt = jnp.asarray(prompt)
-    layout = _prompt_layout(prompt, strategy, segment_ids, span_ids, mesh.shape[axis])
-    _check_masks(model, layout, segment_ids, span_ids, steps)
-    prompt = _check_tokens(prompt, model.embedding.num_embeddings, mesh)
+    layers = model.layers
+    mesh = inference_mesh(mesh, layers[0].attention.axis_name)
+    strategy = Uniform() if strategy is None else strategy
+    prompt, layout = check_generate_prompt(
+        layers,
+        model.embedding.num_embeddings,
+        jnp.asarray(prompt),
+        strategy,
+        segment_ids,
+        span_ids,
+        steps,
+        mesh,
+    )
     prompts = prompt if prompt.ndim == 2 else prompt[None]
     tokens = layout.shard(prompts, axis=-1)
     keys = jax.random.split(key, prompts.shape[0])

@@ -3,16 +3,14 @@
 import math
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from .._layout._layout import Layout
 from .._layout._tokens import TokenInfo
 from .._masks._base import AbstractMask
-from .._ring._mesh import place, resolve_mesh
+from .._ring._mesh import place
 
 
 _BIG = jnp.iinfo(jnp.int32).max
@@ -122,7 +120,7 @@ class KVCache(eqx.Module):
     def query(self) -> TokenInfo:
         """The records of the next token (scalars): position `length`, the cache's
         segment, no span, valid."""
-        return TokenInfo(self.length, self.segment, jnp.full((), -1, jnp.int32), jnp.ones((), bool))
+        return new_token(self.length, self.segment)
 
     def length_fits(self) -> Bool[Array, ""]:
         """Whether `length` is what prefill and decode leave: one past the position of
@@ -186,24 +184,21 @@ def _grow(x: Array, axis: int, num_shards: int, capacity: int, fill) -> Array:
     return x.reshape(shape[:axis] + (num_shards * capacity,) + shape[axis + 1 :])
 
 
-def cache_capacity(layout: Layout, max_new_tokens: int) -> int:
-    """Slots per device for the prompt in `layout` and `max_new_tokens` more, spread
-    round robin (at most `ceil(max_new_tokens / num_shards)` per device)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"`max_new_tokens` must be an integer >= 0; got {max_new_tokens!r}.")
-    return layout.capacity + math.ceil(max_new_tokens / layout.num_shards)
-
-
 def prefill_cache(
     layout: Layout,
     keys: tuple[Array, ...],
     values: tuple[Array, ...],
-    capacity: int,
+    max_new_tokens: int,
+    mesh,
+    axis_name: str,
 ) -> KVCache:
-    """A `KVCache` of the prompt in `layout` (one example: an unbatched layout), from
-    each layer's heads-major keys and values in layout order, with `capacity` slots per
-    device."""
+    """The `KVCache` of the prompt in `layout` (one example: an unbatched layout), from
+    each layer's heads-major keys and values in layout order, with room for
+    `max_new_tokens` more, spread round robin (`ceil(max_new_tokens / num_shards)` free
+    slots per device). Its keys and values are sharded over the ring axis `axis_name` of
+    `mesh` (their slot axis), its records whole on every device."""
     p = layout.num_shards
+    capacity = layout.capacity + math.ceil(max_new_tokens / p)
     info = layout.token_info()
 
     def grow(x, axis, fill):
@@ -215,65 +210,20 @@ def prefill_cache(
         grow(info.spans, 0, -1),
         grow(info.valid, 0, False),
     )
+    keys, values = place(
+        (tuple(grow(k, 1, 0) for k in keys), tuple(grow(v, 1, 0) for v in values)),
+        mesh,
+        PartitionSpec(None, axis_name),
+    )
     return KVCache(
-        keys=tuple(grow(k, 1, 0) for k in keys),
-        values=tuple(grow(v, 1, 0) for v in values),
-        records=records,
+        keys=keys,
+        values=values,
+        records=replicated(records, mesh),
         length=jnp.asarray(layout.seq_len, jnp.int32),
-        segment=_last_segment(info, layout.seq_len),
+        segment=last_segment(info, layout.seq_len),
         overflow=jnp.zeros((), bool),
         num_shards=p,
     )
-
-
-def place_cache(cache: KVCache, mesh, axis_name: str) -> KVCache:
-    """The cache's keys and values sharded over the ring axis (their slot axis) and its
-    records whole on every device."""
-    kv = place((cache.keys, cache.values), mesh, PartitionSpec(None, axis_name))
-    records = replicated(cache.records, mesh)
-    return eqx.tree_at(lambda c: (c.keys, c.values, c.records), cache, (*kv, records))
-
-
-def inference_mesh(mesh, axis_name: str):
-    """The mesh prefill, decode and `generate` run on (`resolve_mesh`), with errors
-    that name `mesh`: it must be a mesh with the model's ring axis."""
-    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-        raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None; got {type(mesh).__name__}.")
-    where = "`mesh`" if mesh is not None else "the mesh set by `jax.set_mesh`"
-    known = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if not known.empty and axis_name not in known.axis_names:
-        raise ValueError(
-            f"{where} must have the model's ring axis {axis_name!r} (the layers' "
-            f"`axis_name`); got a mesh with axes {tuple(known.axis_names)}."
-        )
-    return resolve_mesh(mesh, axis_name)
-
-
-def check_devices(cache: KVCache, mesh) -> None:
-    """Where the cache's arrays are known (outside `jit`), they must live on the mesh's
-    devices: a cache prefilled on another mesh fails deep in a reshard otherwise."""
-    leaf = cache.keys[0] if cache.keys else None
-    if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-        return
-    if not leaf.committed:  # made without a placement (by hand): free to move
-        return
-    have = sorted(d.id for d in leaf.sharding.device_set)
-    if isinstance(mesh, jax.sharding.Mesh):
-        want = sorted(d.id for d in mesh.devices.flat)
-        same = have == want
-    else:  # the abstract mesh of `jax.set_mesh` knows its size, not its devices
-        want, same = mesh.size, len(have) == mesh.size
-    if not same:
-        raise ValueError(
-            f"`cache` must live on the devices of the mesh it is decoded on ({want}); "
-            f"got a cache on devices {have}. Decode on the mesh the cache was prefilled "
-            "on, or move it there with `jax.device_put`."
-        )
-
-
-def layer_masks(blocks) -> list[tuple[str, AbstractMask]]:
-    """Every layer's mask (blocks of a `RingTransformerLM`), named as errors name it."""
-    return [(f"`model.blocks[{i}].attention.mask`", b.attention.mask) for i, b in enumerate(blocks)]
 
 
 def sees_ahead(mask: AbstractMask, records: TokenInfo, new: TokenInfo) -> Bool[Array, "*slots"]:
@@ -283,68 +233,18 @@ def sees_ahead(mask: AbstractMask, records: TokenInfo, new: TokenInfo) -> Bool[A
     return mask.allows(records, new) & records.valid & (records.positions < new.positions)
 
 
-def _last_segment(info: TokenInfo, seq_len: int) -> Int[Array, ""]:
+def last_segment(info: TokenInfo, seq_len: int) -> Int[Array, ""]:
     """The segment of the token at position `seq_len - 1`: the one new tokens continue."""
     last = info.valid & (info.positions == seq_len - 1)
     return jnp.max(jnp.where(last, info.segments, jnp.iinfo(jnp.int32).min)).astype(jnp.int32)
 
 
-def _new_token(position, segment) -> TokenInfo:
+def new_token(position, segment) -> TokenInfo:
+    """The records of a generated token (scalars): at `position`, in `segment`, in no
+    span, valid."""
     return TokenInfo(
         jnp.asarray(position, jnp.int32),
         segment,
         jnp.full((), -1, jnp.int32),
         jnp.ones((), bool),
     )
-
-
-@eqx.filter_jit
-def _seen_ahead(mask: AbstractMask, info: TokenInfo, seq_len: int, steps: int):
-    """`bool[examples, steps]`: whether any prompt token of each example (records
-    `[examples, slots]`) may see the generated token at `seq_len + t`."""
-
-    def example(info):
-        segment = _last_segment(info, seq_len)
-
-        def at(position):
-            return jnp.any(sees_ahead(mask, info, _new_token(position, segment)))
-
-        return jax.lax.map(at, seq_len + jnp.arange(steps, dtype=jnp.int32))
-
-    return jax.vmap(example)(info)
-
-
-def check_servable(
-    masks: list[tuple[str, AbstractMask]], info: TokenInfo, seq_len: int, steps: int
-) -> None:
-    """Raise when a mask lets a prompt token (records `info`, `[*batch, slots]`) attend
-    to one of the `steps` tokens generated after it, which a KV cache cannot serve.
-
-    Masks that never look ahead (`max_lookahead() == 0`) pass statically. For the others
-    the records decide, so it is checked here when they are known (outside `jit`); else
-    every decode step checks its own token at run time."""
-    masks = [(name, m) for name, m in masks if m.max_lookahead() != 0]
-    leaves = (info.positions, info.segments, info.spans, info.valid)
-    if steps < 1 or not masks or any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return
-    flat = TokenInfo(*(x.reshape((-1, x.shape[-1])) for x in leaves))
-    for name, mask in masks:
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask)):
-            continue  # a traced model (inside `jit`): the decode steps check
-        hits = np.asarray(_seen_ahead(mask, flat, seq_len, steps))
-        if not hits.any():
-            continue
-        b, t = (int(i) for i in np.argwhere(hits)[0])
-        one = TokenInfo(*(x[b] for x in (flat.positions, flat.segments, flat.spans, flat.valid)))
-        new = _new_token(seq_len + t, _last_segment(one, seq_len))
-        seen = np.asarray(sees_ahead(mask, one, new))
-        p = int(np.asarray(one.positions)[np.argmax(seen)])
-        example = f" (example {b})" if hits.shape[0] > 1 else ""
-        raise ValueError(
-            f"{name} ({type(mask).__name__}) must not let a prompt token attend to a later "
-            "one, which a KV cache cannot serve (the cached keys and values of earlier "
-            f"tokens are never recomputed); got prompt position {p} attending to the "
-            f"generated token at position {seq_len + t}{example}. Decode with a mask under "
-            "which no token sees a later one after the prompt: Causal, Causal() & "
-            "Document(), a causal SlidingWindow, PrefixLM with the prefix in the prompt."
-        )

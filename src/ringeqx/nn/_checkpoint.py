@@ -22,10 +22,10 @@ from .._masks._ids import BidirectionalSpans, Document
 from .._masks._positional import Causal, Full, PrefixLM, SlidingWindow
 from .._ring._comm import AllGather, RingConfig
 from .._score_mods import ALiBi, Chain, Softcap
+from ._lm import RingTransformerLM
 from ._mlp import GeluMLP, SwiGLUMLP
 from ._options import AttentionOptions
 from ._precision import Precision
-from ._transformer import RingTransformerLM
 
 
 _FORMAT = "ringeqx-checkpoint"

@@ -1,6 +1,7 @@
 """`AttentionOptions`: the typed options of the `RingAttention` layers a model builds."""
 
 import dataclasses
+import warnings
 
 import equinox as eqx
 from jaxtyping import PRNGKeyArray
@@ -11,7 +12,7 @@ from .._masks._base import AbstractMask
 from .._ring._comm import AllGather, RingConfig
 from .._score_mods import AbstractScoreMod
 from ._attention import RingAttention, check_options
-from ._precision import Precision
+from ._precision import Precision, check_precision
 
 
 class AttentionOptions(eqx.Module):
@@ -62,3 +63,44 @@ class AttentionOptions(eqx.Module):
         options (checked there, as if passed to it)."""
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return RingAttention(dim, num_heads, num_kv_heads, key=key, **options)
+
+
+def options_from(attention: AttentionOptions | None, kwargs: dict | None) -> AttentionOptions:
+    """A model's attention options, from `attention=` or the deprecated
+    `attention_kwargs=` dict (which warns)."""
+    if attention is not None and not isinstance(attention, AttentionOptions):
+        raise TypeError(
+            "`attention` must be a ringeqx.nn.AttentionOptions or None; got "
+            f"{type(attention).__name__}. Pass `attention=ringeqx.nn.AttentionOptions(...)`"
+            " (for a dict of options, `AttentionOptions(**options)`)."
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"`attention_kwargs` must be a dict or None; got {type(kwargs).__name__}.")
+    if kwargs is None:
+        return AttentionOptions() if attention is None else attention
+    if attention is not None:
+        raise ValueError(
+            "Pass the attention options once: `attention=` (an AttentionOptions) or the "
+            "deprecated `attention_kwargs=`, not both."
+        )
+    warnings.warn(
+        "`attention_kwargs=` is deprecated: pass "
+        "`attention=ringeqx.nn.AttentionOptions(**attention_kwargs)`.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return AttentionOptions(**kwargs)
+
+
+def with_precision(attention: AttentionOptions, precision) -> AttentionOptions:
+    """The options with the model's `precision`, which an `attention.precision` of its
+    own must not contradict."""
+    if precision is None:
+        return attention
+    precision = check_precision(precision)
+    if attention.precision is not None and attention.precision != precision:
+        raise ValueError(
+            "Pass the precision once: `precision=` and `attention.precision` differ "
+            f"({precision} and {attention.precision})."
+        )
+    return dataclasses.replace(attention, precision=precision)

@@ -71,8 +71,8 @@ def _leaf(f, like: np.ndarray) -> np.ndarray:
     return out
 
 
-# Modules whose classes moved into folders (issue 44): a file saved before names the old
-# module, and its classes are now in one of these.
+# Modules whose classes moved (issue 44): into folders, or split in two. A file saved
+# before names the old module, and its classes are now in one of these.
 _MOVED = {
     "ringeqx._masks": ("_masks._base", "_masks._positional", "_masks._ids",
                        "_masks._block_sparse", "_masks._reads"),
@@ -80,6 +80,8 @@ _MOVED = {
     "ringeqx._tokens": ("_layout._tokens",),
     "ringeqx._comm": ("_ring._comm",),
     "ringeqx._kvcache": ("_inference._kvcache",),
+    # The model's module split in two (issue 44): the block and the language model.
+    "ringeqx.nn._transformer": ("nn._lm", "nn._block"),
 }  # fmt: skip
 
 
