@@ -12,7 +12,7 @@ Each case's kernels are named after it (the `pallas_call` names get a suffix whi
 tracing), so a count is traced back to its case.
 
 Status (measured): with the tiles, warps and stages that `PallasGpuKernel` tunes per
-dtype, head_dim and kernel (`_pallas_gpu._TUNED`), every bfloat16 and float16 kernel
+dtype, head_dim and kernel (`_triton/_kernel.py`'s `_TUNED`), every bfloat16 and float16 kernel
 compiles with 0 spill bytes on sm_80 and sm_90; that is asserted. float32 compiles for
 every case (asserted); its spills are printed (`pytest -s`), not asserted: its dK/dV
 spills, up to 3.3 KB at head_dim 256 (with every tile tried) and up to 108 bytes at 64

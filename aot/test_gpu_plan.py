@@ -30,7 +30,7 @@ def test_a_kernel_out_of_shared_memory_is_an_error_not_a_length_that_does_not_fi
     # (227 KiB): the CUDA compiler refuses them with RESOURCE_EXHAUSTED, as it refuses a
     # program larger than HBM. The planner must say that a kernel does not fit its tiles
     # (it said "Shorten the sequence", and `longest_context` would have searched shorter).
-    from ringeqx._kernels import _pallas_gpu
+    from ringeqx._kernels._triton import _kernel as _pallas_gpu
 
     huge = _pallas_gpu._L(512, 512, 8, 2)
     tuned = dict(_pallas_gpu._TUNED)

@@ -29,8 +29,8 @@ def test_a_kernel_out_of_vmem_is_an_error_not_a_length_that_does_not_fit(monkeyp
     # refuses them (RESOURCE_EXHAUSTED, as for HBM). The planner must say that a kernel
     # does not fit its tiles, not that the context is too long, which is what it said
     # of every RESOURCE_EXHAUSTED (and `longest_context` would have searched shorter).
-    from ringeqx._kernels import _pallas_tpu
+    from ringeqx._kernels._mosaic import _calls
 
-    monkeypatch.setattr(_pallas_tpu, "_vmem_limit", lambda *a, **k: 2**20)
+    monkeypatch.setattr(_calls, "_vmem_limit", lambda *a, **k: 2**20)
     with pytest.raises(ValueError, match="out of the chip's on-chip memory, not of HBM"):
         rx.tools.plan(8192, 1, target="v5e:1x1", **ATTENTION)

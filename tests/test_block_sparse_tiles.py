@@ -15,7 +15,7 @@ import pytest
 from helpers import STRATEGIES, assert_close, block_pattern, mesh, qkv
 
 import ringeqx as rx
-from ringeqx._kernels import _pallas_tiles as tiles
+from ringeqx._kernels._pallas import _tables as tables
 
 
 GPU = rx.PallasGpuKernel(block_q=16, block_kv=16, interpret=True)
@@ -255,4 +255,4 @@ def test_refusal_names_tiles_that_fit():
     info = rx.TokenInfo(pos, pos * 0, pos * 0 - 1, pos >= 0, runs)
     mask = rx.BlockSparse(block_pattern(256, 8), 8)
     with pytest.raises(ValueError, match=r"up to 208 apart.*Tiles of 64x16 fit"):
-        tiles.tile_mask(mask, info, info, n, 64, n, 64)
+        tables.tile_mask(mask, info, info, n, 64, n, 64)

@@ -237,6 +237,18 @@ def test_pickle_files_still_load_but_warn(tmp_path):
     assert isinstance(lm, rx.nn.RingTransformerLM)
     assert isinstance(lm.blocks[0], rx.nn.TransformerBlock)
     assert lm.blocks[0].attention.mask == rx.Causal()
+    # Models saved before the Pallas kernels' modules were split by job name
+    # `ringeqx._kernels._pallas_tpu.PallasTpuKernel` and `._pallas_gpu.PallasGpuKernel`.
+    for name, kernel in (
+        ("tpu", rx.PallasTpuKernel(interpret=True, block_q=64)),
+        ("gpu", rx.PallasGpuKernel(interpret=True)),
+    ):
+        old = os.path.join(
+            os.path.dirname(__file__), "data", f"attention_{name}_kernel_before_kernel_split.eqx"
+        )
+        with pytest.warns(DeprecationWarning):
+            attention = rx.nn.load_model(old)
+        assert attention.kernel == kernel
 
 
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):

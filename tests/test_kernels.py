@@ -28,7 +28,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxtyping import Array, Bool, Float, Int
 
 import ringeqx as rx
-from ringeqx._kernels import _pallas_tiles as tiles
+from ringeqx._kernels._pallas import _tables as tables, _tiles as tiles
 from ringeqx._kernels._select import default_kernel, resolve_device_type
 
 
@@ -361,7 +361,7 @@ def test_tile_table_marks_dense_tiles():
     info = tiles.pad_info(_records(2, 30), 32)
 
     def table(mask, block=8):
-        return np.asarray(tiles.tile_mask(mask, info, info, 32, block, 32, block)[0][..., 0])
+        return np.asarray(tables.tile_mask(mask, info, info, 32, block, 32, block)[0][..., 0])
 
     # Causal: below the diagonal dense unless padded, on it masked, above it skipped.
     causal = np.array([[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [1, 1, 1, 1]])
@@ -796,18 +796,19 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
     # query tiles (libtpu refused 256K tokens a chip in one call). Shrunk here to a few
     # bytes, so that these small cases split: every mask, several key tiles, GQA and
     # bfloat16, and the ring, against the same references as one call.
-    from ringeqx._kernels import _pallas_common, _pallas_tpu
+    from ringeqx._kernels._mosaic import _calls
+    from ringeqx._kernels._pallas import _common
 
     kernel = dict(KERNELS)["pallas_tpu"]
-    t = _pallas_common.Tiling(2, 8, 2, 64, SEQ, SEQ, 16, 128)  # 3 query tiles, 1 key
+    t = _common.Tiling(2, 8, 2, 64, SEQ, SEQ, 16, 128)  # 3 query tiles, 1 key
 
     def split(stride):
-        s = _pallas_tpu._QuerySplit.of(t, stride)
+        s = _calls.QuerySplit.of(t, stride)
         return s.calls, s.rows
 
     # Block-sparse masks carry 7 per-tile operands (stride 8): 72 bytes a row of tiles,
     # one row a call. The other masks (stride 1, 16 bytes a row) stay in one call here.
-    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 72)
+    monkeypatch.setattr(_calls, "_TABLE_SMEM", 72)
     assert [split(1), split(8)] == [(1, 3), (3, 1)]
     names = [name for name, _ in ALL_MASKS]
     pairs = [(factory(SEQ), None) for _, factory in ALL_MASKS]
@@ -815,27 +816,27 @@ def test_tpu_kernel_splits_queries_when_its_tables_overflow_smem(monkeypatch):
 
     # 3 query tiles x 2 key tiles under `Causal() & Document()`: 32 bytes a row, so a
     # call of 2 rows and one of the last.
-    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 64)
+    monkeypatch.setattr(_calls, "_TABLE_SMEM", 64)
     cases = _config_cases()
     xla = _cached("configs-xla", lambda: _run(XLA, cases))
     for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
         _check(str(config), res, x, config[-1], "XlaKernel")
 
-    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 24)  # the ring's shards: 2 calls
+    monkeypatch.setattr(_calls, "_TABLE_SMEM", 24)  # the ring's shards: 2 calls
     test_in_ring(kernel)
 
     # The fused backward's dQ accumulator bounds its calls' query rows too: one query
     # tile a call (the forward stays one call), dK and dV carried across them.
-    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 1 << 20)
-    monkeypatch.setattr(_pallas_tpu, "_DQ_VMEM", 1)
-    assert _pallas_tpu._dq_row_tiles(t) == 1
-    assert _pallas_tpu._QuerySplit.of(t, 1, _pallas_tpu._dq_row_tiles(t)).calls == 3
+    monkeypatch.setattr(_calls, "_TABLE_SMEM", 1 << 20)
+    monkeypatch.setattr(_calls, "_DQ_VMEM", 1)
+    assert _calls.dq_row_tiles(t) == 1
+    assert _calls.QuerySplit.of(t, 1, _calls.dq_row_tiles(t)).calls == 3
     for config, res, x in zip(CONFIGS, _run(kernel, cases), xla):
         _check(str(config), res, x, config[-1], "XlaKernel")
 
-    monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", 8)
+    monkeypatch.setattr(_calls, "_TABLE_SMEM", 8)
     with pytest.raises(ValueError, match="one row of tiles' tables takes 16 bytes of SMEM"):
-        _pallas_tpu._QuerySplit.of(t, 1)
+        _calls.QuerySplit.of(t, 1)
 
 
 def test_tpu_kernel_computes_a_key_tile_in_pieces():
@@ -892,7 +893,7 @@ def test_tpu_kernel_pieces_take_their_own_branches():
     # do: each piece's branch in the table is the branch the table of tiles as narrow
     # as the pieces gives (Causal over 1024 tokens: query tiles 256, key tiles 512 in
     # pieces of 128; a SlidingWindow, whose pieces start and stop inside the tiles).
-    from ringeqx._kernels import _pallas_common as common
+    from ringeqx._kernels._pallas import _common as common
 
     info = _records(2, 1024)
     q = jnp.zeros((2, 4, 1024, 64), jnp.float32)
@@ -909,7 +910,7 @@ def test_tpu_kernel_query_tiles_of_whole_vregs(monkeypatch):
     # Query tiles 128 wide (the tiles of a real chip, where the tests above use 16): 300
     # queries in 3 tiles (the last partly padding), in one call and split into calls of
     # one query tile each (the fused backward's dQ written a call's rows at a time).
-    from ringeqx._kernels import _pallas_tpu
+    from ringeqx._kernels._mosaic import _calls
 
     length, heads, kv_heads = 300, 4, 2
     q, k, v = qkv(jax.random.key(5), (2,), length, heads, kv_heads, 64)
@@ -922,5 +923,5 @@ def test_tpu_kernel_query_tiles_of_whole_vregs(monkeypatch):
     )
     xla = _run(XLA, cases)
     for smem in (1 << 20, 80):  # 80 bytes: a row of the forward's table, with its pieces
-        monkeypatch.setattr(_pallas_tpu, "_TABLE_SMEM", smem)
+        monkeypatch.setattr(_calls, "_TABLE_SMEM", smem)
         _check(f"SMEM {smem}", _run(kernel, cases)[0], xla[0], 2e-5, "XlaKernel")

@@ -24,8 +24,8 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 import ringeqx as rx
-from ringeqx._kernels import _pallas_tiles as tiles
-from ringeqx._kernels._pallas_tpu import kv_index_map, q_index_map, tile_plan
+from ringeqx._kernels._mosaic._calls import kv_index_map, q_index_map, tile_plan
+from ringeqx._kernels._pallas import _tables as tables
 
 
 # The Triton custom call has no serialisation-compatibility guarantee; lowering is what
@@ -321,7 +321,7 @@ def test_tpu_causal_skipped_tiles_fetch_the_resident_block():
     n, block = 4, 128
     info = _records(1, n * block)
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
-    run = tiles.tile_mask(rx.Causal(), info, info, n * block, block, n * block, block)[0][..., 0]
+    run = tables.tile_mask(rx.Causal(), info, info, n * block, block, n * block, block)[0][..., 0]
     # Tiles on the diagonal run masked (1), those below it dense (2).
     ones = np.ones((n, n), np.int32)
     np.testing.assert_array_equal(run[0], np.tril(ones) + np.tril(ones, -1))
@@ -352,7 +352,7 @@ def test_tpu_block_sparse_skipped_tiles_fetch_the_resident_block():
     info = _records(1, n * block)
     info = rx.TokenInfo(info.positions, info.segments, info.spans, info.positions >= 0)
     mask = rx.BlockSparse(jnp.asarray(pattern), block)
-    run = tiles.tile_mask(mask, info, info, n * block, block, n * block, block)[0][..., 0]
+    run = tables.tile_mask(mask, info, info, n * block, block, n * block, block)[0][..., 0]
     # Tiles of the map's blocks: each set block is a dense tile (2).
     np.testing.assert_array_equal(run[0], 2 * pattern.astype(np.int32))
 
@@ -374,4 +374,4 @@ def test_tpu_block_sparse_skipped_tiles_fetch_the_resident_block():
 
 def test_resident_blocks_of_a_row_that_runs_nothing():
     run = jnp.asarray([[0, 0, 0], [0, 1, 0]], jnp.int32)
-    np.testing.assert_array_equal(tiles.resident_blocks(run), [[0, 0, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(tables.resident_blocks(run), [[0, 0, 0], [1, 1, 1]])

@@ -16,9 +16,9 @@ from ._kernels._base import (
     AbstractAttentionKernel as AbstractAttentionKernel,
     Scores as Scores,
 )
-from ._kernels._pallas_gpu import PallasGpuKernel as PallasGpuKernel
-from ._kernels._pallas_tpu import PallasTpuKernel as PallasTpuKernel
+from ._kernels._mosaic._kernel import PallasTpuKernel as PallasTpuKernel
 from ._kernels._select import select_kernel as select_kernel
+from ._kernels._triton._kernel import PallasGpuKernel as PallasGpuKernel
 from ._kernels._tune import tune_block_sizes as tune_block_sizes
 from ._kernels._xla import XlaKernel as XlaKernel
 from ._layout._layout import (

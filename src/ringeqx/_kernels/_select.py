@@ -5,8 +5,8 @@ from typing import Literal
 import jax
 
 from ._base import AbstractAttentionKernel
-from ._pallas_gpu import PallasGpuKernel
-from ._pallas_tpu import PallasTpuKernel
+from ._mosaic._kernel import PallasTpuKernel
+from ._triton._kernel import PallasGpuKernel
 from ._xla import xla_kernel
 
 

@@ -2,7 +2,7 @@
 the online-softmax update.
 
 Nothing here imports Pallas: `XlaKernel` and `schedule` use it as they are, and
-`_pallas_tiles.py` re-exports it for the Pallas kernels.
+`_pallas/_tiles.py` re-exports it for the Pallas kernels.
 """
 
 from collections.abc import Callable

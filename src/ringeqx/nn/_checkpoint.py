@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._kernels._pallas_gpu import PallasGpuKernel
-from .._kernels._pallas_tpu import PallasTpuKernel
+from .._kernels._mosaic._kernel import PallasTpuKernel
+from .._kernels._triton._kernel import PallasGpuKernel
 from .._kernels._xla import XlaKernel
 from .._masks._base import And, Or
 from .._masks._block_sparse import BlockSparse

@@ -82,6 +82,9 @@ _MOVED = {
     "ringeqx._kvcache": ("_inference._kvcache",),
     # The model's module split in two (issue 44): the block and the language model.
     "ringeqx.nn._transformer": ("nn._lm", "nn._block"),
+    # The Pallas kernels' modules split by job (issue 44): the classes are in `_kernel`.
+    "ringeqx._kernels._pallas_tpu": ("_kernels._mosaic._kernel",),
+    "ringeqx._kernels._pallas_gpu": ("_kernels._triton._kernel",),
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """What the Triton and Mosaic kernels do alike around their `pallas_call`s: the sizes of
 a call, the mask and modifier as kernel operands, padding the inputs to whole tiles and
-trimming the outputs back. The tile maths inside the kernels is in `_pallas_tiles.py`."""
+trimming the outputs back. The tile maths inside the kernels is in `_tiles.py`."""
 
 import functools
 import math
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array
 
-from .._layout._tokens import TokenInfo
-from .._masks._base import AbstractMask, TileLocal
-from .._score_mods import AbstractScoreMod
-from . import _pallas_tiles as tiles
+from ..._layout._tokens import TokenInfo
+from ..._masks._base import AbstractMask, TileLocal
+from ..._score_mods import AbstractScoreMod
+from . import _leaves as leaves, _tables as tables, _tiles as tiles
 
 
 class Tiling(NamedTuple):
@@ -61,8 +61,8 @@ def tiling(q: Array, k: Array, block_q: int, block_kv: int) -> Tiling:
 
 
 class Operands(NamedTuple):
-    """The mask and the score modifier as kernel inputs (`tiles.mask_operands`,
-    `tiles.head_operands`), and the keyword arguments every kernel body takes to
+    """The mask and the score modifier as kernel inputs (`leaves.mask_operands`,
+    `leaves.head_operands`), and the keyword arguments every kernel body takes to
     rebuild them."""
 
     mask_leaves: list[Array]
@@ -84,8 +84,8 @@ def operands(
     """The operands of a call whose `(table, local)` come from `tile_mask`: in the
     kernels, `rebuild_mask(mask_refs, table_ref, tile)` gives the mask for a pair of
     tiles and `rebuild_mask.runs(table_ref, tile)` whether it runs."""
-    mask_leaves, rebuild_mask = tiles.mask_operands(local, table.shape[-1])
-    mod_leaves, rebuild_mod = tiles.head_operands(score_mod, heads)
+    mask_leaves, rebuild_mask = leaves.mask_operands(local, table.shape[-1])
+    mod_leaves, rebuild_mod = leaves.head_operands(score_mod, heads)
     kernel_args = dict(
         rebuild_mask=rebuild_mask,
         rebuild_mod=rebuild_mod,
@@ -102,10 +102,10 @@ def tile_mask(
     kv_info: TokenInfo,
     compute: int | None = None,
 ) -> tuple[Array, TileLocal]:
-    """`tiles.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,
+    """`tables.tile_mask` for the tiles of `t`: `table [batch, q_tiles, kv_tiles,
     stride]` (which pairs run, their per-tile mask operands, and with `compute` the
     branches of their key chunks) and the tile-local mask."""
-    return tiles.tile_mask(*_tile_args(t, mask, q_info, kv_info), compute)
+    return tables.tile_mask(*_tile_args(t, mask, q_info, kv_info), compute)
 
 
 def _tile_args(t: Tiling, mask: AbstractMask, q_info: TokenInfo, kv_info: TokenInfo):
@@ -118,7 +118,7 @@ def runtime_check(
     """`AbstractAttentionKernel.runtime_check` of a kernel whose calls run on
     `tilings`: the run-time checks of their `tile_mask`s, as one flag."""
     checks = [
-        (t, tiles.inexact_tiles(*_tile_args(t, mask, q_info, kv_info)))
+        (t, tables.inexact_tiles(*_tile_args(t, mask, q_info, kv_info)))
         for t in tilings
     ]
     checks = [(t, flag) for t, flag in checks if flag is not None]
@@ -126,7 +126,7 @@ def runtime_check(
         return None
     flag = functools.reduce(jnp.logical_or, [flag for _, flag in checks])
     t = checks[0][0]
-    return flag, tiles.inexact_message(mask, t.block_q, t.block_kv)
+    return flag, tables.inexact_message(mask, t.block_q, t.block_kv)
 
 
 def pad_qkv(t: Tiling, q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:

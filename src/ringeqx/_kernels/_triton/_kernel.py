@@ -1,21 +1,19 @@
-"""`PallasGpuKernel`: flash attention as Pallas (Triton) kernels, forward and
-backward."""
+"""`PallasGpuKernel`: flash attention as Pallas (Triton) kernels, forward and backward."""
 
-import functools
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Bool, Float
 
-from .._layout._tokens import TokenInfo
-from .._util._numbers import as_int
-from . import _pallas_common as common, _pallas_tiles as tiles
-from ._base import AbstractAttentionKernel, Scores
+from ..._layout._tokens import TokenInfo
+from ..._util._numbers import as_int
+from .._base import AbstractAttentionKernel, Scores
+from .._pallas import _checks as checks, _common as common, _tiles as tiles
+from ._calls import backward_inputs, dkv_call, dq_call, forward_call, run_table
 
 
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -88,309 +86,6 @@ def _block(block: int, length: int) -> int:
     smallest matmul) covering a shorter sequence."""
     return min(block, max(16, 1 << (length - 1).bit_length()))
 
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-# Each record row is loaded from its ref on its own: slicing a loaded `[4, block]` value
-# would be a `slice`, which Triton's lowering does not have.
-def _q_info(ref, rows=slice(None)) -> TokenInfo:
-    return tiles.token_info([ref[f, rows][:, None] for f in range(4)])
-
-
-def _k_info(ref, cols=slice(None)) -> TokenInfo:
-    return tiles.token_info([ref[f, cols][None, :] for f in range(4)])
-
-
-def _run_table(table: Array) -> Array:
-    """The tile table `[batch, rows, steps, stride]` (`tiles.tile_mask`) padded along
-    steps to a power of two (Triton's block shapes), the padding not run, and flattened
-    to `[batch, rows, steps * stride]` (a row per program)."""
-    table = tiles.pad_axis(table, 2, _pow2(table.shape[2]))
-    return table.reshape(table.shape[:2] + (-1,))
-
-
-def _forward_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    q_rec_ref,
-    k_rec_ref,
-    run_ref,
-    *refs,
-    rebuild_mask,
-    rebuild_mod,
-    num_mask: int,
-    scale: float,
-    block_kv: int,
-    num_kv: int,
-):
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
-    o_ref, lse_ref = refs[-2:]
-    score_mod = rebuild_mod(mod_refs)
-    q = q_ref[...]
-    qi = _q_info(q_rec_ref)
-
-    def body(j, acc):
-        kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-        ki = _k_info(k_rec_ref, kv)
-
-        def update(acc):
-            mask = rebuild_mask(mask_refs, run_ref, j)
-            s, _ = tiles.logits(q, k_ref[kv, :], qi, ki, score_mod, scale)
-            s, v = tiles.nan_columns(s, v_ref[kv, :])
-            return acc.update(s, tiles.allowed(mask, qi, ki), v)
-
-        return jax.lax.cond(rebuild_mask.runs(run_ref, j), update, lambda acc: acc, acc)
-
-    init = tiles.Softmax.init(q.shape[0], q.shape[1])
-    out, lse = jax.lax.fori_loop(0, num_kv, body, init).finish()
-    o_ref[...] = out
-    lse_ref[...] = lse[:, 0]
-
-
-def _dq_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    q_rec_ref,
-    k_rec_ref,
-    run_ref,
-    *refs,
-    rebuild_mask,
-    rebuild_mod,
-    num_mask: int,
-    scale: float,
-    block_kv: int,
-    num_kv: int,
-):
-    mask_refs, mod_refs, dq_ref = refs[:num_mask], refs[num_mask:-1], refs[-1]
-    score_mod = rebuild_mod(mod_refs)
-    q, d_out = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    qi = _q_info(q_rec_ref)
-
-    def body(j, dq):
-        kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-        ki = _k_info(k_rec_ref, kv)
-
-        def grads(dq):
-            mask = rebuild_mask(mask_refs, run_ref, j)
-            k = k_ref[kv, :]
-            _, ds, k_finite = tiles.tile_grads(
-                q, k, v_ref[kv, :], d_out, lse, delta, qi, ki, mask, score_mod, scale
-            )
-            return dq + tiles.matmul(ds.astype(k.dtype), k_finite)
-
-        return jax.lax.cond(rebuild_mask.runs(run_ref, j), grads, lambda dq: dq, dq)
-
-    dq_ref[...] = jax.lax.fori_loop(0, num_kv, body, jnp.zeros(q.shape, jnp.float32))
-
-
-def _dkv_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    q_rec_ref,
-    k_rec_ref,
-    run_ref,
-    *refs,
-    rebuild_mask,
-    rebuild_mod,
-    num_mask: int,
-    scale: float,
-    block_q: int,
-    num_q: int,
-    groups: int,
-):
-    mask_refs, mod_refs = refs[:num_mask], refs[num_mask:-2]
-    dk_ref, dv_ref = refs[-2:]
-    k, v = k_ref[...], v_ref[...]
-    ki = _k_info(k_rec_ref)
-
-    def body(t, carry):
-        # One loop over (query head of this kv head's group, query tile).
-        # lax's div/rem of nonnegative ints: jnp's floor division lowers to a `rem`
-        # of mixed int and bool operands, which Triton's lowering rejects.
-        g, i = jax.lax.div(t, num_q), jax.lax.rem(t, num_q)
-        qb = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-        qi = _q_info(q_rec_ref, qb)
-
-        def grads(carry):
-            dk, dv = carry
-            # The refs hold the modifier rows of this kv head's `groups` query heads.
-            mod = rebuild_mod(mod_refs, g)
-            mask = rebuild_mask(mask_refs, run_ref, i)
-            q, d_out = q_ref[g, qb, :], do_ref[g, qb, :]
-            lse, delta = lse_ref[g, qb][:, None], delta_ref[g, qb][:, None]
-            p, ds, _ = tiles.tile_grads(
-                q, k, v, d_out, lse, delta, qi, ki, mask, mod, scale
-            )
-            dv = dv + tiles.matmul_tn(p.astype(d_out.dtype), d_out)
-            dk = dk + tiles.matmul_tn(ds.astype(q.dtype), q)
-            return dk, dv
-
-        return jax.lax.cond(rebuild_mask.runs(run_ref, i), grads, lambda c: c, carry)
-
-    zero = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, groups * num_q, body, (zero, zero))
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-
-
-def _query_grid_specs(
-    t: common.Tiling, ops: common.Operands, steps: int, backward: bool
-) -> list[Any]:
-    """Block specs of the forward and dQ grids `(batch, head, query tile)`, for the inputs
-    `(Q, K, V[, dO, lse, delta], Q records, K records, skip table, *mask leaves,
-    *modifier leaves)`: a program gets its query tile, every key and value of its kv
-    head (it loops over their tiles) and its query tile's row of the skip table (`steps`
-    long)."""
-    d, groups = t.head_dim, t.groups
-    q_side = pl.BlockSpec((None, None, t.block_q, d), lambda b, h, i: (b, h, i, 0))
-    kv_side = pl.BlockSpec(
-        (None, None, t.kv_padded, d), lambda b, h, i: (b, h // groups, 0, 0)
-    )
-    rows = pl.BlockSpec((None, None, t.block_q), lambda b, h, i: (b, h, i))
-    grads = [q_side, rows, rows] if backward else []
-    return [
-        q_side,
-        kv_side,
-        kv_side,
-        *grads,
-        pl.BlockSpec((None, 4, t.block_q), lambda b, h, i: (b, 0, i)),
-        pl.BlockSpec((None, 4, t.kv_padded), lambda b, h, i: (b, 0, 0)),
-        pl.BlockSpec((None, None, steps), lambda b, h, i: (b, i, 0)),
-        *tiles.whole_array_specs(ops.mask_leaves),
-        *tiles.head_specs(ops.mod_leaves, lambda b, h, i: h),
-    ]
-
-
-def _key_grid_specs(t: common.Tiling, ops: common.Operands, steps: int) -> list[Any]:
-    """Block specs of the dK/dV grid `(batch, kv head, key tile)`, inputs as in
-    `_query_grid_specs`: a program gets its key tile, and every query tile of the query
-    heads of kv head `j`, which are `j * groups, ..., j * groups + groups - 1`: one
-    block."""
-    d, groups = t.head_dim, t.groups
-    q_side = pl.BlockSpec((None, groups, t.q_padded, d), lambda b, j, s: (b, j, 0, 0))
-    kv_side = pl.BlockSpec((None, None, t.block_kv, d), lambda b, j, s: (b, j, s, 0))
-    rows = pl.BlockSpec((None, groups, t.q_padded), lambda b, j, s: (b, j, 0))
-    return [
-        q_side,
-        kv_side,
-        kv_side,
-        q_side,
-        rows,
-        rows,
-        pl.BlockSpec((None, 4, t.q_padded), lambda b, j, s: (b, 0, 0)),
-        pl.BlockSpec((None, 4, t.block_kv), lambda b, j, s: (b, 0, s)),
-        pl.BlockSpec((None, None, steps), lambda b, j, s: (b, s, 0)),
-        *tiles.whole_array_specs(ops.mask_leaves),
-        *tiles.head_specs(ops.mod_leaves, lambda b, j, s: j, rows=groups),
-    ]
-
-
-def _backward_inputs(
-    t: common.Tiling, q, k, v, d_out, lse, delta, q_info: TokenInfo, kv_info: TokenInfo
-) -> tuple[Array, ...]:
-    """The backward kernels' inputs `(Q, K, V, dO, lse, delta, Q records, K records)`,
-    padded to the tiles of `t`."""
-    qp, kp, vp = common.pad_qkv(t, q, k, v)
-    dop, lse_p, delta_p = common.pad_rows(t, q, d_out, lse, delta)
-    q_rec = tiles.records(q_info, t.q_padded)
-    k_rec = tiles.records(kv_info, t.kv_padded)
-    return qp, kp, vp, dop, lse_p, delta_p, q_rec, k_rec
-
-
-def _forward_call(
-    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
-) -> tuple[Array, Array]:
-    """`(out [b, h, lq, d], lse [b, h, lq])` of the padded inputs `(Q, K, V, Q records,
-    K records, skip table)`."""
-    kernel = functools.partial(
-        _forward_kernel, **ops.kernel_args, block_kv=t.block_kv, num_kv=t.num_kv
-    )
-    shape = (t.batch, t.heads, t.q_padded)
-    return pl.pallas_call(
-        kernel,
-        grid=(t.batch, t.heads, t.num_q),
-        in_specs=_query_grid_specs(t, ops, inputs[-1].shape[2], backward=False),
-        out_specs=[
-            pl.BlockSpec(
-                (None, None, t.block_q, t.head_dim), lambda b, h, i: (b, h, i, 0)
-            ),
-            pl.BlockSpec((None, None, t.block_q), lambda b, h, i: (b, h, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*shape, t.head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(shape, jnp.float32),
-        ],
-        compiler_params=params,
-        interpret=interpret,
-        name="ringeqx_gpu_flash_forward",
-        cost_estimate=common.cost_estimate(t, "forward", inputs),
-    )(*inputs, *ops.leaves)
-
-
-def _dq_call(
-    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
-) -> Array:
-    """dQ `[b, h, lq, d]` of the padded backward inputs `(Q, K, V, dO, lse, delta, Q
-    records, K records, skip table)`, on the forward's grid."""
-    kernel = functools.partial(
-        _dq_kernel, **ops.kernel_args, block_kv=t.block_kv, num_kv=t.num_kv
-    )
-    block = (None, None, t.block_q, t.head_dim)
-    return pl.pallas_call(
-        kernel,
-        grid=(t.batch, t.heads, t.num_q),
-        in_specs=_query_grid_specs(t, ops, inputs[-1].shape[2], backward=True),
-        out_specs=pl.BlockSpec(block, lambda b, h, i: (b, h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct(
-            (t.batch, t.heads, t.q_padded, t.head_dim), jnp.float32
-        ),
-        compiler_params=params,
-        interpret=interpret,
-        name="ringeqx_gpu_flash_backward_dq",
-        cost_estimate=common.cost_estimate(t, "dq", inputs),
-    )(*inputs, *ops.leaves)
-
-
-def _dkv_call(
-    t: common.Tiling, ops: common.Operands, inputs, params, interpret: bool
-) -> tuple[Array, Array]:
-    """`(dK, dV)`, each `[b, kv_heads, lk, d]`, of the padded backward inputs (as for
-    `_dq_call`, the skip table transposed): one program per key tile, looping over the
-    query tiles of its group's query heads."""
-    kernel = functools.partial(
-        _dkv_kernel,
-        **ops.kernel_args,
-        block_q=t.block_q,
-        num_q=t.num_q,
-        groups=t.groups,
-    )
-    block = pl.BlockSpec(
-        (None, None, t.block_kv, t.head_dim), lambda b, j, s: (b, j, s, 0)
-    )
-    shape = (t.batch, t.kv_heads, t.kv_padded, t.head_dim)
-    return pl.pallas_call(
-        kernel,
-        grid=(t.batch, t.kv_heads, t.num_kv),
-        in_specs=_key_grid_specs(t, ops, inputs[-1].shape[2]),
-        out_specs=[block, block],
-        out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2,
-        compiler_params=params,
-        interpret=interpret,
-        name="ringeqx_gpu_flash_backward_dkv",
-        cost_estimate=common.cost_estimate(t, "dkv", inputs),
-    )(*inputs, *ops.leaves)
 
 
 class PallasGpuKernel(AbstractAttentionKernel):
@@ -508,7 +203,7 @@ class PallasGpuKernel(AbstractAttentionKernel):
 
     def _check(self, q, k, v, mask, score_mod) -> Array:
         """Trace-time checks; returns `q` behind the lowering-time platform check."""
-        tiles.check_inputs(
+        checks.check_inputs(
             "PallasGpuKernel",
             q,
             k,
@@ -519,8 +214,8 @@ class PallasGpuKernel(AbstractAttentionKernel):
         )
         if self.interpret:
             return q
-        tiles.check_lowerable(mask, score_mod, "PallasGpuKernel", "GPU", "Triton")
-        return tiles.platform_check(
+        checks.check_lowerable(mask, score_mod, "PallasGpuKernel", "GPU", "Triton")
+        return checks.platform_check(
             q, "PallasGpuKernel", ("cuda", "rocm"), "GPU", "Triton"
         )
 
@@ -582,14 +277,14 @@ class PallasGpuKernel(AbstractAttentionKernel):
             t, params = self._launch("forward", q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            run = _run_table(table)
+            run = run_table(table)
             inputs = (
                 *common.pad_qkv(t, q, k, v),
                 tiles.records(q_info, t.q_padded),
                 tiles.records(kv_info, t.kv_padded),
                 run,
             )
-            out, lse = _forward_call(t, ops, inputs, params, self.interpret)
+            out, lse = forward_call(t, ops, inputs, params, self.interpret)
             return out[:, :, : t.q_len], lse[:, :, : t.q_len]
 
     def backward(
@@ -621,12 +316,12 @@ class PallasGpuKernel(AbstractAttentionKernel):
             t, params = self._launch("dq", q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            inputs = _backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
-            dq = _dq_call(t, ops, (*inputs, _run_table(table)), params, self.interpret)
+            inputs = backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
+            dq = dq_call(t, ops, (*inputs, run_table(table)), params, self.interpret)
             t, params = self._launch("dkv", q, k)
             table, local = common.tile_mask(t, mask, q_info, kv_info)
             ops = common.operands(table, local, score_mod, t.heads, scale)
-            inputs = _backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
-            run = _run_table(jnp.swapaxes(table, 1, 2))
-            dk, dv = _dkv_call(t, ops, (*inputs, run), params, self.interpret)
+            inputs = backward_inputs(t, q, k, v, d_out, lse, delta, q_info, kv_info)
+            run = run_table(jnp.swapaxes(table, 1, 2))
+            dk, dv = dkv_call(t, ops, (*inputs, run), params, self.interpret)
             return common.trim_grads(t, dq, dk, dv)
