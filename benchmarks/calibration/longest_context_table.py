@@ -10,6 +10,8 @@ a run in the other environment. Results accumulate in
 
     python benchmarks/calibration/longest_context_table.py --rows attention  # TPU venv, GPU venv
     python benchmarks/calibration/longest_context_table.py --rows 8b --targets v5p:2x2x2
+    python benchmarks/calibration/longest_context_table.py --rows 8b-mixed --targets v5p:2x2x2 \
+        --start-per-chip 65536
 """
 
 import argparse
@@ -33,16 +35,20 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).with_name("longest_context_table.json")
 DOC = ROOT / "docs" / "longest_context.md"
 
-# Llama-3 shapes. Our LM's MLP is GELU with two matrices; Llama's SwiGLU has three of
-# width 14336 (8B) / 28672 (70B): a GELU width of 1.5x that holds the same parameters.
-# The LMs' layers are scanned (`scan_layers=True`: one layer compiled, one layer's
-# working memory in the backward).
+# Llama-3 shapes. "8b" and "70b" are float32 GELU LMs (the LM's first block): two
+# matrices of 1.5x Llama's SwiGLU width (14336 for 8B, 28672 for 70B), as many
+# parameters. "8b-mixed" is Llama-3-8B as Llama builds it and as it is trained: SwiGLU of
+# 14336, RMSNorm without bias, rope_theta 500000 (`ringeqx.nn.LLAMA3_8B`), under
+# `Precision.mixed()` (float32 parameters and Adam state, bfloat16 compute). The LMs'
+# layers are scanned (`scan_layers=True`: one layer compiled, one layer's working memory
+# in the backward).
 MODELS = {
     "attention": dict(heads=32, kv_heads=8, head_dim=128),
     "8b": dict(
         heads=32, kv_heads=8, dim=4096, num_layers=32, vocab_size=128256, hidden=21504,
         scan_layers=True,
     ),
+    "8b-mixed": dict(config=rx.nn.LLAMA3_8B, precision="mixed", scan_layers=True),
     "70b": dict(
         heads=64, kv_heads=8, dim=8192, num_layers=80, vocab_size=128256, hidden=43008,
         scan_layers=True,
@@ -165,6 +171,8 @@ def main() -> None:
                 continue
             print(f"{target} {model}:", flush=True)
             row = search(target, model, args.start_per_chip)
+            # Read again: another run (the other platform's venv) may have added rows.
+            rows = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
             rows = [r for r in rows if (r["target"], r["model"]) != (target, model)] + [row]
             RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
             write_doc(rows)

@@ -119,8 +119,17 @@ def misuse(args: argparse.Namespace) -> str | None:
                     "argument --profile: --profile cpu needs --max-memory-mib (the CPU "
                     "profile has no memory size)"
                 )
-            if args.scan_layers and args.dim is None:
-                return "argument --scan-layers: needs --dim (an LM plan; attention has no layers)"
+            lm = args.dim is not None or args.config is not None
+            if args.scan_layers and not lm:
+                return (
+                    "argument --scan-layers: needs --dim or --config (an LM plan; attention "
+                    "has no layers)"
+                )
+            if args.config is not None and args.dim is not None:
+                return (
+                    "argument --config: gives the LM's sizes; pass it or --dim (and the "
+                    f"other sizes), not both; got --config {args.config} --dim {args.dim}"
+                )
             if args.dim is not None and args.dim % args.heads:
                 return (
                     f"argument --dim: must be a multiple of --heads ({args.heads}), the "

@@ -27,7 +27,19 @@ _PLAN_FLAGS = (
     (r"`batch_devices \* num_devices`", "--devices"),
     (r"`remat`", "--remat"),
     (r"`scan_layers=True`", "--scan-layers"),
+    (r"`mlp`", "--mlp"),
+    (r"`norm_bias`", "--no-norm-bias"),
+    (r"`precision`", "--precision"),
+    (r"`config`", "--config"),
 )
+
+# `ringeqx plan --config`: the named shapes of `ringeqx.nn`.
+CONFIGS = {
+    "llama3-8b": "LLAMA3_8B",
+    "llama3-70b": "LLAMA3_70B",
+    "tinyllama-1b": "TINYLLAMA_1B",
+    "llama-300m": "LLAMA_300M",
+}
 
 
 def _in_flags(message: str) -> str:
@@ -49,17 +61,26 @@ def plan(args: argparse.Namespace) -> int:
         "documents": rx.Causal() & rx.Document(),
         "window": rx.SlidingWindow(args.window),
     }
-    lm = {}
-    if args.dim is not None:
-        lm = dict(
-            dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size, hidden=args.hidden,
-            scan_layers=args.scan_layers,
-        )  # fmt: skip
+    lm: dict = {}
+    block = dict(
+        mlp=args.mlp, norm_bias=False if args.no_norm_bias else None, precision=args.precision,
+    )  # fmt: skip
+    if args.config is not None:
+        # The config's sizes, heads included: the flags' defaults for them are not asked
+        # (an --mlp or --no-norm-bias with it is refused by `plan`, naming both).
+        lm = dict(config=getattr(rx.nn, CONFIGS[args.config]), scan_layers=args.scan_layers)
+        sizes = dict(block)
+    else:
+        if args.dim is not None:
+            lm = dict(
+                dim=args.dim, num_layers=args.layers, vocab_size=args.vocab_size,
+                hidden=args.hidden, scan_layers=args.scan_layers,
+            )  # fmt: skip
+        sizes = dict(heads=args.heads, kv_heads=args.kv_heads, **block)
+        sizes["head_dim"] = None if lm else args.head_dim
     budget = None if args.max_memory_mib is None else int(args.max_memory_mib * 2**20)
     problem = dict(
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        head_dim=None if lm else args.head_dim,
+        **sizes,
         batch=args.batch,
         dtype=args.dtype,
         mask=masks[args.mask],
@@ -140,6 +161,26 @@ def arguments(plan_parser: argparse.ArgumentParser) -> None:
         "--scan-layers",
         action="store_true",
         help="the LM's layers stacked and scanned (RingTransformerLM(scan_layers=True))",
+    )
+    plan_parser.add_argument(
+        "--mlp", choices=("gelu", "swiglu"), default=None, help="LM MLP (default gelu)"
+    )
+    plan_parser.add_argument(
+        "--no-norm-bias", action="store_true", help="the LM's RMSNorms without a bias"
+    )
+    plan_parser.add_argument(
+        "--precision",
+        choices=("float32", "mixed"),
+        default=None,
+        help="LM precision (default float32; mixed: float32 parameters and Adam state, "
+        "bfloat16 compute)",
+    )
+    plan_parser.add_argument(
+        "--config",
+        choices=tuple(CONFIGS),
+        default=None,
+        help="a named LM shape (ringeqx.nn.LLAMA3_8B, ...) instead of --dim, --layers, "
+        "--heads, --kv-heads, --vocab-size, --hidden, --mlp, --no-norm-bias",
     )
     plan_parser.add_argument(
         "--target",

@@ -94,9 +94,14 @@ def _model_shapes(cfg: Problem, block: int, remat: Remat, num_devices: int) -> S
         return shapes
     # On an accelerator the parameters and Adam state are sharded over every chip.
     chips = 1 if shapes.family == "cpu" else cfg.batch_devices * num_devices
+    precision = cfg.precision
     return LMShapes(
-        shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat, chips, cfg.scan_layers
-    )
+        shapes, cfg.vocab_size, cfg.dim, cfg.num_layers, cfg.hidden, remat, chips,
+        cfg.scan_layers, mlp=cfg.mlp, norm_bias=cfg.norm_bias,
+        param_bytes=precision.param_dtype.itemsize,
+        compute_bytes=precision.compute_dtype.itemsize,
+        output_bytes=precision.output_dtype.itemsize,
+    )  # fmt: skip
 
 
 def predict(cfg: Problem, block: int, remat: Remat, num_devices: int) -> MemoryBreakdown:

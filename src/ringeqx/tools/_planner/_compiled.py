@@ -242,8 +242,9 @@ def _check_state(cfg: Problem, plan: Plan) -> None:
             f"Nothing fits in max_memory_usage={format_bytes(cfg.max_memory_usage)} per "
             f"chip of {plan.target}: the parameters and Adam state alone take "
             f"{format_bytes(state)} per chip, fully sharded over its "
-            f"{plan.batch_devices * plan.num_devices} chips (float32), whatever the "
-            "context. Add chips or shrink the model.",
+            f"{plan.batch_devices * plan.num_devices} chips "
+            f"({plan.precision.param_dtype.name}), whatever the context. Add chips or "
+            "shrink the model.",
             state,
             cfg.max_memory_usage,
             0.0,

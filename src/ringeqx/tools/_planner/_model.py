@@ -216,7 +216,9 @@ def attention_regime(s: Shapes) -> str:
 class LMShapes(eqx.Module):
     """Per-device sizes of an LM training step; `mlp` and `norm_bias` are the blocks'
     (`ringeqx.nn.RingTransformerLM`'s arguments: a SwiGLU MLP has three bias-free
-    matrices, a GELU MLP two with biases)."""
+    matrices, a GELU MLP two with biases); `param_bytes`, `compute_bytes`,
+    `output_bytes` the item sizes of its `ringeqx.nn.Precision`'s three dtypes (4, 4, 4:
+    float32; the recipe `Precision.mixed()` is 4, 2, 4)."""
 
     attention: Shapes
     vocab_size: int = eqx.field(static=True)
@@ -228,6 +230,14 @@ class LMShapes(eqx.Module):
     scan: bool = eqx.field(static=True, default=False)
     mlp: str = eqx.field(static=True, default="gelu")
     norm_bias: bool = eqx.field(static=True, default=True)
+    param_bytes: int = eqx.field(static=True, default=4)
+    compute_bytes: int = eqx.field(static=True, default=4)
+    output_bytes: int = eqx.field(static=True, default=4)
+
+    def mlp_width(self) -> int:
+        """Activations of one token's MLP a layer keeps, in units of `hidden`: GELU's
+        hidden layer (1), SwiGLU's gate and up projections (2)."""
+        return 2 if self.mlp == "swiglu" else 1
 
     def _norm_params(self) -> int:
         """Parameters of one RMSNorm: a weight, and a bias unless `norm_bias` is off."""
@@ -263,8 +273,18 @@ def _attention_temp(s: Shapes) -> tuple[float, float]:
 
 
 def lm_features(s: LMShapes) -> dict[str, float]:
-    """The temporaries' terms of one LM training step, in bytes (float32 activations);
-    one layer's attention temporaries come from the attention model. On accelerators the
+    """The temporaries' terms of one LM training step, in bytes; one layer's attention
+    temporaries come from the attention model (at the compute dtype: `s.attention`'s
+    item size).
+
+    Every term is bytes at the dtype the program holds it in: the weights, their
+    gradients and gathered copies at `param_bytes`; the residual stream between blocks
+    (`stream`, `sequence`) at `output_bytes`; the activations inside a block (`mlp`, a
+    layer's) at `compute_bytes`; the logits in float32 whatever the policy. The counts
+    were fitted on float32 GELU steps (every size 4, one hidden activation a token):
+    under mixed precision or SwiGLU the estimate scales each term by its dtype's bytes
+    and the MLP's width, with the same counts (not refitted), so it is an estimate to
+    order candidates; `plan(..., target=...)` compiles the real program. On accelerators the
     parameters are sharded over `chips`: the gradients are shards, and the step gathers
     the embedding and head (`embedding`) and each layer's weights (`layer_weights`), and
     may keep every layer's for the backward (`weights`), or (on TPUs) carry every
@@ -274,10 +294,12 @@ def lm_features(s: LMShapes) -> dict[str, float]:
     a = s.attention
     tokens = a.batch * a.capacity
     layer_attention, in_flight = _attention_temp(a)
+    w, c, o = float(s.param_bytes), float(s.compute_bytes), float(s.output_bytes)
+    hidden = s.mlp_width() * s.hidden
     out = {
-        "gradients": 4.0 * s.param_count() / s.chips,
-        "stream": 4.0 * s.num_layers * tokens * s.dim,
-        "mlp": 4.0 * s.num_layers * tokens * s.hidden,
+        "gradients": w * s.param_count() / s.chips,
+        "stream": o * s.num_layers * tokens * s.dim,
+        "mlp": c * s.num_layers * tokens * hidden,
         "logits": 4.0 * tokens * s.vocab_size,
         "attention": layer_attention,
         "in_flight": in_flight,
@@ -285,10 +307,10 @@ def lm_features(s: LMShapes) -> dict[str, float]:
     }
     if a.family != "cpu":
         layer = s.block_params()
-        out["embedding"] = 4.0 * 2 * s.vocab_size * s.dim
-        out["weights"] = 4.0 * s.num_layers * layer
-        out["layer_weights"] = 4.0 * layer
-        out["layer"] = 4.0 * tokens * (s.dim + s.hidden)
+        out["embedding"] = w * 2 * s.vocab_size * s.dim
+        out["weights"] = w * s.num_layers * layer
+        out["layer_weights"] = w * layer
+        out["layer"] = tokens * (o * s.dim + c * hidden)
         # For the vocabulary-sharded head the compilers gather whichever is smaller:
         # every chip's hidden states (`sequence`) or, once the sequence holds as many
         # tokens as the vocabulary, the head's whole weight (`head_weight`). Their
@@ -299,8 +321,8 @@ def lm_features(s: LMShapes) -> dict[str, float]:
         # more than once). A sequence term for every length put the longest contexts on
         # 64 and 256 v5p chips at 1.7-6.2 times their compiled bytes.
         seq = tokens * s.chips
-        out["sequence"] = 4.0 * seq * s.dim * (seq < s.vocab_size)
-        out["head_weight"] = 4.0 * s.vocab_size * s.dim * (s.vocab_size <= seq)
+        out["sequence"] = o * seq * s.dim * (seq < s.vocab_size)
+        out["head_weight"] = w * s.vocab_size * s.dim * (s.vocab_size <= seq)
     if a.family == "tpu":
         # Every layer's weights as the chip's shard of them: what scanned layers carry
         # through the loops (libtpu's live ranges of 8 scanned layers of a 7168-wide
@@ -310,7 +332,7 @@ def lm_features(s: LMShapes) -> dict[str, float]:
         # (+20%), since `weights`, the gathered copies, does not shrink with the chips.
         # XLA:GPU's were not examined; fitted there too, it took the 70B grid's scanned
         # remat-"block" step from -13.3% to -15.2%, so the GPU's model does without it.
-        out["stacked"] = 4.0 * s.num_layers * s.block_params() / s.chips
+        out["stacked"] = w * s.num_layers * s.block_params() / s.chips
     return out
 
 
@@ -321,9 +343,9 @@ def lm_io(s: LMShapes) -> tuple[int, int, int]:
     are donated (their outputs reuse the arguments' buffers)."""
     tokens = s.attention.batch * s.attention.capacity
     if s.attention.family != "cpu":
-        params = 4 * -(-s.param_count() // s.chips)
+        params = s.param_bytes * -(-s.param_count() // s.chips)
         return params, 2 * params, 2 * 4 * tokens + 4 + 4
-    params = 4 * s.param_count()
+    params = s.param_bytes * s.param_count()
     return 2 * params, 4 * params, 2 * 4 * tokens + 4 + 8
 
 

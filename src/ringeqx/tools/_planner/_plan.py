@@ -14,7 +14,7 @@ from ..._strategies._base import AbstractShardingStrategy
 from ..._strategies._uniform import Uniform
 from ..._strategies._work_balanced import WorkBalanced
 from ..._strategies._zigzag import Zigzag
-from ...nn import AttentionOptions, RingTransformerLM
+from ...nn import AttentionOptions, Precision, RingTransformerLM
 from ._model import (
     CATEGORIES,
     MemoryBreakdown,
@@ -114,6 +114,10 @@ class Plan(eqx.Module):
         program (`arguments`, `outputs`, `temp`, `total`) and the compile's seconds.
     - `overlap`: with a `target`, the overlap condition and the compiled schedule's
         answer to it ([`ringeqx.tools.PlanOverlap`][]).
+    - `mlp`, `norm_bias`, `precision`: the LM's blocks (`"gelu"` or `"swiglu"`, the
+        norms' bias) and its [`ringeqx.nn.Precision`][], as
+        [`ringeqx.nn.RingTransformerLM`][] takes them; `rope_theta` its attention's
+        (None: `AttentionOptions`' default), from a `config`.
     """
 
     kind: Literal["attention", "lm"] = eqx.field(static=True)
@@ -141,6 +145,10 @@ class Plan(eqx.Module):
     target: str | None = eqx.field(static=True, default=None)
     compiled: CompiledMemory | None = eqx.field(static=True, default=None)
     overlap: PlanOverlap | None = eqx.field(static=True, default=None)
+    mlp: str = eqx.field(static=True, default="gelu")
+    norm_bias: bool = eqx.field(static=True, default=True)
+    precision: Precision = eqx.field(static=True, default_factory=Precision)
+    rope_theta: float | None = eqx.field(static=True, default=None)
 
     @property
     def forward_tiles(self) -> tuple[int, int]:
@@ -164,8 +172,8 @@ class Plan(eqx.Module):
 
     def model(self, *, key: PRNGKeyArray) -> RingTransformerLM:
         """The [`ringeqx.nn.RingTransformerLM`][] this plan (of kind `"lm"`) describes:
-        its sizes, its mask, the kernel `plan.kernel()` names, the planned remat as
-        `checkpoint`, and `scan_layers` as planned.
+        its sizes, MLP, norms and precision, its mask, the kernel `plan.kernel()` names,
+        the planned remat as `checkpoint`, and `scan_layers` as planned.
 
         Shard its inputs with `plan.layout(...)` (the plan's strategy) and pass that
         layout to `loss` / `__call__`. (The plan builds the model, rather than the model
@@ -189,7 +197,10 @@ class Plan(eqx.Module):
                 f"vocab_size=)); got a plan of kind {self.kind!r}."
             )
         assert self.vocab_size and self.dim and self.num_layers
-        attention = AttentionOptions(mask=self.mask, kernel=self.kernel(), head_dim=self.head_dim)
+        rope = {} if self.rope_theta is None else {"rope_theta": self.rope_theta}
+        attention = AttentionOptions(
+            mask=self.mask, kernel=self.kernel(), head_dim=self.head_dim, **rope
+        )
         return RingTransformerLM(
             self.vocab_size,
             self.dim,
@@ -200,6 +211,9 @@ class Plan(eqx.Module):
             checkpoint=self.remat,
             attention=attention,
             scan_layers=self.scan_layers,
+            mlp=self.mlp,  # pyright: ignore[reportArgumentType]
+            norm_bias=self.norm_bias,
+            precision=self.precision,
             key=key,
         )
 
@@ -233,6 +247,10 @@ class Plan(eqx.Module):
             "num_layers": self.num_layers,
             "hidden": self.hidden,
             "scan_layers": self.scan_layers if self.kind == "lm" else None,
+            "mlp": self.mlp if self.kind == "lm" else None,
+            "norm_bias": self.norm_bias if self.kind == "lm" else None,
+            "precision": precision_name(self.precision) if self.kind == "lm" else None,
+            "rope_theta": self.rope_theta,
             "mask": type(self.mask).__name__,
             "strategy": repr(self.strategy),
             "forward_tiles": list(self.forward_tiles),
@@ -268,6 +286,15 @@ class Plan(eqx.Module):
             rows += [(f"overlap: {k}", str(v)) for k, v in overlap.items()]
         lines = ["| setting | value |", "|---|---|"]
         return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows])
+
+
+def precision_name(precision: Precision) -> str:
+    """`"float32"`, `"mixed"`, or the three dtypes (parameters/compute/output)."""
+    dtypes = (precision.param_dtype, precision.compute_dtype, precision.output_dtype)
+    for name, policy in (("float32", Precision()), ("mixed", Precision.mixed())):
+        if dtypes == (policy.param_dtype, policy.compute_dtype, policy.output_dtype):
+            return name
+    return "/".join(d.name for d in dtypes)
 
 
 def make_plan(

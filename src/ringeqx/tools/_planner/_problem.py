@@ -10,12 +10,17 @@ from jax.typing import DTypeLike
 from ..._masks._base import AbstractMask
 from ..._masks._positional import Causal
 from ..._util._numbers import as_int, check_size, is_int
+from ...nn._config import LMConfig
+from ...nn._precision import Precision
 from .._cost import float_itemsize
 from .._hardware import HARDWARE, TARGETS
 
 
 Remat = Literal["none", "attention", "block"]
 REMATS: tuple[Remat, ...] = ("none", "attention", "block")
+MLPS = ("gelu", "swiglu")
+# The precisions a plan takes by name (or a `ringeqx.nn.Precision`).
+PRECISIONS = {"float32": Precision, "mixed": Precision.mixed}
 
 
 class Problem(NamedTuple):
@@ -39,6 +44,10 @@ class Problem(NamedTuple):
     mask: AbstractMask
     device: str
     max_memory_usage: int
+    mlp: str
+    norm_bias: bool
+    precision: Precision
+    rope_theta: float | None
 
 
 def target_chips(target: str) -> int:
@@ -154,11 +163,81 @@ def _lm_sizes(heads: int, dim, num_layers, vocab_size, hidden, head_dim) -> dict
     return {"kind": "lm", **given, "hidden": hidden, "head_dim": head_dim}
 
 
+def check_precision(precision) -> Precision:
+    """`precision` as a `ringeqx.nn.Precision`: one, a name of `PRECISIONS`, or None
+    (float32); an error naming the argument for anything else."""
+    if precision is None:
+        return Precision()
+    if isinstance(precision, Precision):
+        return precision
+    if isinstance(precision, str) and precision in PRECISIONS:
+        return PRECISIONS[precision]()
+    raise ValueError(
+        "`precision` must be a ringeqx.nn.Precision or one of "
+        f"{sorted(PRECISIONS)}; got {precision!r}."
+    )
+
+
+def _lm_options(mlp, norm_bias, precision, dim) -> dict:
+    """The LM's block options, checked (an error names each; an attention plan takes
+    none of them)."""
+    if mlp is not None and mlp not in MLPS:
+        raise ValueError(f"`mlp` must be one of {MLPS}; got {mlp!r}.")
+    if norm_bias is not None and norm_bias not in (False, True):
+        raise ValueError(f"`norm_bias` must be a bool; got {norm_bias!r}.")
+    given = {"mlp": mlp, "norm_bias": norm_bias, "precision": precision}
+    given = {name: value for name, value in given.items() if value is not None}
+    if dim is None and given:
+        said = ", ".join(f"`{name}`={value!r}" for name, value in given.items())
+        raise ValueError(
+            "`mlp`, `norm_bias` and `precision` are an LM plan's (`dim`, ... or a "
+            f"`config`): attention alone has no MLP, norms or parameters; got {said}."
+        )
+    return {
+        "mlp": "gelu" if mlp is None else mlp,
+        "norm_bias": True if norm_bias is None else bool(norm_bias),
+        "precision": check_precision(precision),
+    }
+
+
+def from_config(config, **given) -> dict:
+    """`plan`'s LM arguments read from an `LMConfig` (its sizes, MLP, norms and
+    `rope_theta`), or `given` as they are when `config` is None; a ValueError when both
+    name a size, since one would silently override the other."""
+    if config is None:
+        return given | {"rope_theta": None}
+    if not isinstance(config, LMConfig):
+        hint = " (e.g. ringeqx.nn.LLAMA3_8B, not its name)" if isinstance(config, str) else ""
+        raise TypeError(
+            f"`config` must be a ringeqx.nn.LMConfig{hint} or None; got "
+            f"{type(config).__name__} {config!r}."
+        )
+    clash = [name for name, value in given.items() if value is not None]
+    if clash:
+        raise ValueError(
+            f"`config` gives the LM's sizes and block; pass it or "
+            f"{', '.join(f'`{n}`' for n in clash)}, not both (to change a size, "
+            "`dataclasses.replace(config, ...)`)."
+        )
+    return {
+        "heads": config.num_heads,
+        "kv_heads": config.num_kv_heads,
+        "head_dim": None,
+        "dim": config.dim,
+        "num_layers": config.num_layers,
+        "vocab_size": config.vocab_size,
+        "hidden": config.hidden,
+        "mlp": config.mlp,
+        "norm_bias": config.norm_bias,
+        "rope_theta": config.rope_theta,
+    }
+
+
 def problem(
     seq_len: int,
     num_devices: int,
     *,
-    heads: int,
+    heads: int | None = None,
     head_dim: int | None = None,
     kv_heads: int | None = None,
     batch: int = 1,
@@ -174,9 +253,25 @@ def problem(
     max_memory_usage: int | None = None,
     remat: Remat | None = None,
     target: str | None = None,
+    mlp: str | None = None,
+    norm_bias: bool | None = None,
+    precision: Precision | str | None = None,
+    config: LMConfig | None = None,
 ) -> tuple[Problem, tuple[Remat, ...]]:
     """`plan`'s arguments checked, as the problem and the remats to try (see
     `ringeqx.tools._planner._search.plan`)."""
+    lm_args = from_config(
+        config, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dim=dim,
+        num_layers=num_layers, vocab_size=vocab_size, hidden=hidden, mlp=mlp,
+        norm_bias=norm_bias,
+    )  # fmt: skip
+    rope_theta = lm_args.pop("rope_theta")
+    heads, kv_heads, head_dim = lm_args["heads"], lm_args["kv_heads"], lm_args["head_dim"]
+    dim, num_layers, vocab_size = lm_args["dim"], lm_args["num_layers"], lm_args["vocab_size"]
+    hidden = lm_args["hidden"]
+    if heads is None:
+        raise ValueError("`heads` is required (or an LM's `config`).")
+    options = _lm_options(lm_args["mlp"], lm_args["norm_bias"], precision, dim)
     sizes = _sizes(
         seq_len=seq_len,
         num_devices=num_devices,
@@ -198,10 +293,13 @@ def problem(
         **sizes,
         **lm,
         scan_layers=bool(scan_layers),
-        dtype=_float_name(jnp.float32 if lm["kind"] == "lm" else dtype),
+        # An LM's attention runs at its compute dtype (float32, or bfloat16 mixed).
+        dtype=_float_name(options["precision"].compute_dtype if lm["kind"] == "lm" else dtype),
         mask=Causal() if mask is None else mask,
         device=device,
         max_memory_usage=_budget(device, max_memory_usage),
+        **options,
+        rope_theta=rope_theta,
     )
     chip = HARDWARE[device].memory if target is not None else None
     if chip is not None and cfg.max_memory_usage > chip:

@@ -10,6 +10,8 @@ from jax.typing import DTypeLike
 
 from ..._masks._base import AbstractMask
 from ..._util._numbers import check_size
+from ...nn._config import LMConfig
+from ...nn._precision import Precision
 from ._analytic import analytic_plan
 from ._compiled import NoFit, compiled_search
 from ._plan import Plan
@@ -23,7 +25,7 @@ def plan(
     seq_len: int,
     num_devices: int,
     *,
-    heads: int,
+    heads: int | None = None,
     head_dim: int | None = None,
     kv_heads: int | None = None,
     batch: int = 1,
@@ -40,15 +42,19 @@ def plan(
     remat: Remat | None = None,
     block_size: int | None = None,
     target: str | None = None,
+    mlp: str | None = None,
+    norm_bias: bool | None = None,
+    precision: Precision | str | None = None,
+    config: LMConfig | None = None,
 ) -> Plan:
     """Choose tiles, rematerialisation and a sharding strategy that fit a memory budget.
 
     Two problems: ring attention's forward and backward alone (give `head_dim`), or a
     [`ringeqx.nn.RingTransformerLM`][] training step with Adam (give `dim`, `num_layers`
-    and `vocab_size`; the LM runs in float32). The planner predicts each candidate's
-    bytes per device with a model of the arrays the program holds, calibrated against
-    XLA's `memory_analysis()` (see the [memory guide](../memory.md#planning-memory)),
-    and returns the first candidate that fits, cheapest in compute first: no remat
+    and `vocab_size`, or a `config`; the LM runs in float32 unless given a `precision`).
+    The planner predicts each candidate's bytes per device with a model of the arrays
+    the program holds, calibrated against XLA's `memory_analysis()` (see the [memory
+    guide](../memory.md#planning-memory)), and returns the first candidate that fits, cheapest in compute first: no remat
     before `"attention"` before `"block"`, and for each the largest tile that fits.
 
     **Arguments:**
@@ -62,6 +68,17 @@ def plan(
         (`Zigzag` for causal, `WorkBalanced` for packed documents, `Uniform` for windows
         and full attention).
     - `dim`, `num_layers`, `vocab_size`, `hidden` (default `4 * dim`): the LM.
+    - `mlp` (`"gelu"`, the default, or `"swiglu"`), `norm_bias` (default True): the LM's
+        blocks, as [`ringeqx.nn.RingTransformerLM`][] takes them.
+    - `precision`: the LM's [`ringeqx.nn.Precision`][], or its name: `"float32"` (the
+        default) or `"mixed"` (`Precision.mixed()`: float32 parameters and Adam state,
+        bfloat16 compute, the recommended recipe). Its compute dtype is the attention's
+        `dtype`. Without `target=` the memory model, fitted on float32 steps, scales its
+        terms by each dtype's bytes (an estimate); with `target=` the compiler measures
+        the model built with it.
+    - `config`: an [`ringeqx.nn.LMConfig`][] (e.g. [`ringeqx.nn.LLAMA3_8B`][]) instead
+        of `heads`, `kv_heads`, `dim`, `num_layers`, `vocab_size`, `hidden`, `mlp` and
+        `norm_bias` (its `rope_theta` too); passing both is an error.
     - `scan_layers`: plan the LM with its layers stacked and scanned
         ([`ringeqx.nn.RingTransformerLM`][]`(scan_layers=True)`): on TPUs and GPUs it
         compiles in the time of one layer and keeps less memory.
@@ -99,6 +116,9 @@ def plan(
     p = ringeqx.tools.plan(65536, 8, heads=8, dim=512, num_layers=4, vocab_size=32000,
                      max_memory_usage=2**30)
     model = p.model(key=jax.random.key(0))
+    # Llama-3-8B as it trains, on 8 v5p chips (needs libtpu):
+    p = ringeqx.tools.plan(262144, 8, config=ringeqx.nn.LLAMA3_8B, precision="mixed",
+                           scan_layers=True, remat="block", target="v5p:2x2x2")
     ```
     """
     cfg, remats = problem(
@@ -120,6 +140,10 @@ def plan(
         max_memory_usage=max_memory_usage,
         remat=remat,
         target=target,
+        mlp=mlp,
+        norm_bias=norm_bias,
+        precision=precision,
+        config=config,
     )
     if target is not None:
         if block_size is not None:
@@ -152,7 +176,7 @@ class ContextSearch(NamedTuple):
 def longest_context(
     target: str,
     *,
-    heads: int,
+    heads: int | None = None,
     head_dim: int | None = None,
     kv_heads: int | None = None,
     dim: int | None = None,
@@ -168,6 +192,10 @@ def longest_context(
     remat: Remat | None = None,
     start: int | None = None,
     log: Callable[[str], None] | None = print,
+    mlp: str | None = None,
+    norm_bias: bool | None = None,
+    precision: Precision | str | None = None,
+    config: LMConfig | None = None,
 ) -> ContextSearch:
     """The longest sequence that ring attention, or a `RingTransformerLM` training step,
     fits in on `target`, answered by the target's compiler.
@@ -200,7 +228,8 @@ def longest_context(
             f"{batch_devices}."
         )
     num_devices = chips // batch_devices
-    remat = ("block" if dim is not None else None) if remat is None else remat
+    lm = dim is not None or config is not None
+    remat = ("block" if lm else None) if remat is None else remat
     unit = 2 * num_devices * 1024
     probes: list[tuple[int, int | None, bool]] = []
     found: dict[int, Plan] = {}
@@ -208,7 +237,8 @@ def longest_context(
     problem = dict(
         heads=heads, head_dim=head_dim, kv_heads=kv_heads, batch=batch,
         batch_devices=batch_devices, dtype=dtype, mask=mask, dim=dim, vocab_size=vocab_size,
-        hidden=hidden, scan_layers=scan_layers, remat=remat,
+        hidden=hidden, scan_layers=scan_layers, remat=remat, mlp=mlp, norm_bias=norm_bias,
+        precision=precision, config=config,
     )  # fmt: skip
 
     def fits(seq_len: int) -> bool:
