@@ -301,13 +301,19 @@ def problem(
         **options,
         rope_theta=rope_theta,
     )
-    chip = HARDWARE[device].memory if target is not None else None
+    _check_budget_and_remat(cfg, target, remat)
+    return cfg, remats(cfg, remat)
+
+
+def _check_budget_and_remat(cfg: Problem, target: str | None, remat: Remat | None) -> None:
+    """A budget no larger than the target's chip, and a remat the problem has."""
+    chip = HARDWARE[cfg.device].memory if target is not None else None
     if chip is not None and cfg.max_memory_usage > chip:
         # XLA:GPU only warns; a plan above the chip would be a promise it cannot keep.
         raise ValueError(
             f"`max_memory_usage`={cfg.max_memory_usage:,} bytes is more than a chip of "
-            f"`target` {target!r} has ({chip:,} bytes, {HARDWARE[device].name}); pass at "
-            "most that, or leave it out for the chip's memory."
+            f"`target` {target!r} has ({chip:,} bytes, {HARDWARE[cfg.device].name}); pass "
+            "at most that, or leave it out for the chip's memory."
         )
     if remat is not None and remat not in REMATS:
         raise ValueError(f"`remat` must be one of {REMATS} or None; got {remat!r}.")
@@ -316,7 +322,6 @@ def problem(
             f"`remat`={remat!r} needs an LM plan (`dim`, ...): attention alone has no "
             "layers to rematerialise (its custom VJP already recomputes the scores)."
         )
-    return cfg, remats(cfg, remat)
 
 
 def remats(cfg: Problem, remat: Remat | None) -> tuple[Remat, ...]:

@@ -54,8 +54,9 @@ def plan(
     and `vocab_size`, or a `config`; the LM runs in float32 unless given a `precision`).
     The planner predicts each candidate's bytes per device with a model of the arrays
     the program holds, calibrated against XLA's `memory_analysis()` (see the [memory
-    guide](../memory.md#planning-memory)), and returns the first candidate that fits, cheapest in compute first: no remat
-    before `"attention"` before `"block"`, and for each the largest tile that fits.
+    guide](../memory.md#planning-memory)), and returns the first candidate that fits,
+    cheapest in compute first: no remat before `"attention"` before `"block"`, and for
+    each the largest tile that fits.
 
     **Arguments:**
 
