@@ -1,5 +1,5 @@
 """The front door: a call of `ring_attention` resolved once into a typed, immutable
-`RingCall` (the ring's input, defined beside the ring in `ringeqx._ring._algorithm`).
+`RingCall` (the ring's input, defined in `ringeqx._ring._settings`).
 
 Every check of the arguments runs here, in one order:
 
@@ -31,11 +31,12 @@ from .._masks._positional import Full
 from .._masks._reads import check_ids
 from .._score_mods import AbstractScoreMod, check_sinks
 from .._util._numbers import check_int32
-from ._algorithm import RingCall, RingSettings, run
+from ._algorithm import run
 from ._checks import as_qkv, check_mask_arg, check_qkv, check_scale
 from ._comm import AllGather, RingConfig, as_ring_config
 from ._compat import translate
 from ._mesh import batch_axis, on_cpu, resolve_mesh, to_layout_order, to_original_order
+from ._settings import RingCall, RingSettings
 from ._steps import analytic_window, early_stop_error, ring_window
 
 
