@@ -1,19 +1,24 @@
 """Tiling maths shared by every kernel and by `schedule`: padding, token-record tiles and
-the online-softmax update.
+the online-softmax update; and the tile loop's pieces that `XlaKernel` and the score
+modifier's gradient pass (`_score_mod_grads.py`) share: tile sizes and slices, per-tile
+records and the branch a tile takes, and the mask and the modifier on one tile.
 
 Nothing here imports Pallas: `XlaKernel` and `schedule` use it as they are, and
 `_pallas/_tiles.py` re-exports it for the Pallas kernels.
 """
 
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, Bool
 
-from .._layout._tokens import TokenInfo
+from .._layout._tokens import BlockSummary, TokenInfo
+from .._masks._base import AbstractMask, tile_branch
+from .._score_mods import AbstractScoreMod
 
 
 # Row order of the int32 token records that the Pallas kernels receive, and the value a
@@ -108,3 +113,75 @@ class Softmax(eqx.Module):
         seen = self.total > 0
         total = jnp.where(seen, self.total, 1.0)
         return self.acc / total, jnp.where(seen, self.m + jnp.log(total), -jnp.inf)
+
+
+def pair_mask(
+    mask: AbstractMask, qi: TokenInfo, ki: TokenInfo, keys_first: bool = False
+) -> Bool[Array, "b q k"]:
+    """Which pairs of a `[b, bq]` x `[b, bk]` tile attend (padding never does):
+    `[b, bq, bk]`, or `[b, bk, bq]` with `keys_first`."""
+    q, k = (qi.expand(1), ki.expand(2)) if keys_first else (qi.expand(2), ki.expand(1))
+    return mask.allows(q, k) & q.valid & k.valid
+
+
+def modify(score_mod: AbstractScoreMod, s: Array, qi: TokenInfo, ki: TokenInfo) -> Array:
+    """`score_mod` on logits `[b, kv_heads, groups, bq, bk]` (its own `[heads, q, k]`
+    orientation)."""
+    b, kh, g, bq, bk = s.shape
+    out = score_mod(
+        s.reshape(b, kh * g, bq, bk),
+        jax.tree.map(lambda x: x[:, None, :, None], qi),
+        jax.tree.map(lambda x: x[:, None, None, :], ki),
+    )
+    return out.reshape(s.shape)
+
+
+def tile_sizes(block: int, length: int) -> tuple[int, int]:
+    size = min(block, length)
+    return size, math.ceil(length / size)
+
+
+def grouped(x: Array, kv_heads: int, length: int) -> Array:
+    """`[b, heads, len, *rest]` -> `[b, kv_heads, groups, length, *rest]`, padded to
+    `length`: a reshape, no copy unless padding is needed."""
+    b, h = x.shape[:2]
+    x = pad_axis(x, 2, length)
+    return x.reshape((b, kv_heads, h // kv_heads) + x.shape[2:])
+
+
+def take_tile(x: Array, index, block: int, axis: int) -> Array:
+    """Tile `index` (traced) of `block` tokens along `axis`: a slice, not a copy of `x`."""
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+
+
+def tile_loop(num: int, body, init):
+    """`lax.fori_loop(0, num, body, init)`, or the body itself for one tile (no loop, so
+    no loop-carried copies of whole buffers)."""
+    if num == 1:
+        return body(0, init)
+    return jax.lax.fori_loop(0, num, body, init)
+
+
+def pick(tree, index):
+    """Entry `index` of stacked per-tile records."""
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+class Tiles(NamedTuple):
+    """Per-tile token records `[num, batch, block]`, their summaries, and whether every
+    token of a tile is valid `[num]`."""
+
+    info: TokenInfo
+    summary: BlockSummary
+    full: Array
+
+
+def info_tiles(info: TokenInfo, num: int, block: int) -> Tiles:
+    """`[batch, len]` records -> `[num, batch, block]` tiles and their summaries."""
+    tiles = tile_info(info, num, block, axis=0)
+    return Tiles(tiles, BlockSummary.of(tiles, axis=(1, 2)), jnp.all(tiles.valid, axis=(1, 2)))
+
+
+def which_branch(mask: AbstractMask, q: Tiles, k: Tiles, i, j):
+    """The branch tile `(i, j)` takes (`tile_branch`): 0 skipped, 1 masked, 2 dense."""
+    return tile_branch(mask, pick(q.summary, i), pick(k.summary, j), q.full[i], k.full[j])

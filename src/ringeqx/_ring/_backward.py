@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from .._kernels._base import Scores
-from .._kernels._xla import score_mod_grads
+from .._kernels._score_mod_grads import score_mod_grads
 from . import _order as order
 from ._forward import checked, kv_axes, may_attend
 from ._settings import RingSettings
